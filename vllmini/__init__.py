@@ -1,0 +1,50 @@
+"""vllmini: a PagedAttention KV-cache engine built from scratch.
+
+Data flows one way: allocator -> block table -> KV cache -> attention (torch, then CUDA kernels)
+-> model -> scheduler -> engine. `import vllmini` stays light: names load on first use, and
+jupyter, ipywidgets, matplotlib and cupy are imported only by the pieces that draw or launch kernels.
+"""
+
+from importlib import import_module
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS = {
+    "VllminiError": "errors",
+    "OutOfBlocksError": "errors",
+    "BlockAllocator": "allocator",
+    "BlockTable": "block_table",
+    "BlockManager": "block_table",
+    "PagedKVCache": "kv_cache",
+    "reshape_and_cache": "kv_cache",
+    "paged_attention": "attention",
+    "paged_prefill_attention": "attention",
+    "LlamaConfig": "model",
+    "LlamaModel": "model",
+    "Sequence": "scheduler",
+    "Scheduler": "scheduler",
+    "SamplingParams": "engine",
+    "RequestOutput": "engine",
+    "LLMEngine": "engine",
+}
+_SUBMODULES = {
+    "errors", "allocator", "block_table", "kv_cache", "attention", "cuda_kernels",
+    "emulator", "model", "scheduler", "engine", "viz",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(import_module(f"vllmini.{_EXPORTS[name]}"), name)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        return import_module(f"vllmini.{name}")
+    raise AttributeError(f"module 'vllmini' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS) | _SUBMODULES)
