@@ -29,7 +29,7 @@ _EXPORTS = {
     "LLMEngine": "engine",
 }
 _SUBMODULES = {
-    "errors", "allocator", "block_table", "kv_cache", "attention", "cuda_kernels",
+    "errors", "memory", "allocator", "block_table", "kv_cache", "attention", "cuda_kernels",
     "emulator", "model", "scheduler", "engine", "viz",
 }
 

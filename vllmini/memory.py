@@ -1,0 +1,263 @@
+"""Why the KV cache decides batch size: the arithmetic, and a small simulation.
+
+Three pieces, each small enough to check by hand:
+
+1. `ModelShape` and `kv_bytes_per_token`: every token keeps one key and one value vector per layer,
+   so its KV cache costs 2 * num_layers * num_kv_heads * head_size * dtype_bytes bytes.
+2. `sample_requests`: synthetic (input_len, output_len) pairs whose means match the workloads of the
+   PagedAttention paper (Kwon et al., SOSP 2023). The engine benchmark reuses it.
+3. A snapshot simulation of how much reserved KV memory holds real tokens, and how many requests fit in
+   a fixed budget, when every request reserves `max_len` slots up front ("static", like Orca (Max) in
+   the paper) against when it holds only the blocks its tokens fill ("paged").
+
+Nothing here allocates GPU memory or imports torch; it is arithmetic on lengths.
+"""
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+SCHEMES = ("static", "pow2", "oracle", "paged")
+
+
+# -----------------------------------------------------------------------------
+# model shapes and KV bytes per token
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers of a decoder-only transformer that fix its KV-cache size (from its config.json)."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int  # query heads
+    num_kv_heads: int  # key/value heads: = num_heads for MHA, fewer for GQA, 1 for MQA
+    head_size: int
+    dtype_bytes: int = 2  # bytes per number, fp16/bf16; used for the KV cache and for weight_bytes
+    num_params: int = 0  # parameter count, for the weights' memory (0 = unknown)
+
+    def __post_init__(self):
+        for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_size", "dtype_bytes"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{field} must be a positive int, got {value!r}")
+        if self.num_params < 0:
+            raise ValueError(f"num_params must be >= 0, got {self.num_params!r}")
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weights in this dtype (0 when num_params is unknown)."""
+        return self.num_params * self.dtype_bytes
+
+
+# Shapes from the released checkpoints' config.json; num_params computed from the same configs
+# (embeddings + layers + norms, and the untied lm_head for the Llamas).
+LLAMA_2_7B = ModelShape("Llama-2-7B", 32, 4096, 32, 32, 128, num_params=6_738_415_616)
+OPT_13B = ModelShape("OPT-13B", 40, 5120, 40, 40, 128, num_params=12_853_473_280)
+LLAMA_3_8B = ModelShape("Llama-3-8B", 32, 4096, 32, 8, 128, num_params=8_030_261_248)
+LLAMA_2_70B = ModelShape("Llama-2-70B", 80, 8192, 64, 8, 128, num_params=68_976_648_192)
+TINYLLAMA_1_1B = ModelShape("TinyLlama-1.1B", 22, 2048, 32, 4, 64, num_params=1_100_048_384)
+MODEL_SHAPES = (TINYLLAMA_1_1B, LLAMA_2_7B, LLAMA_3_8B, OPT_13B, LLAMA_2_70B)
+
+
+def kv_bytes_per_token(shape: ModelShape) -> int:
+    """Bytes one token's keys and values take over all layers: 2 * layers * kv_heads * head_size * bytes."""
+    if not isinstance(shape, ModelShape):
+        raise TypeError(f"shape must be a ModelShape, got {type(shape).__name__}")
+    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_size * shape.dtype_bytes
+
+
+def kv_tokens_that_fit(shape: ModelShape, memory_bytes: int) -> int:
+    """Tokens of KV cache that fit in `memory_bytes` after the weights (0 when the weights don't fit).
+
+    Ignores activations, the CUDA context and allocator slack, so a real server fits fewer.
+    """
+    if memory_bytes < 0:
+        raise ValueError(f"memory_bytes must be >= 0, got {memory_bytes!r}")
+    free = memory_bytes - shape.weight_bytes
+    return max(0, free // kv_bytes_per_token(shape))
+
+
+# -----------------------------------------------------------------------------
+# synthetic workloads
+
+# workload -> (mean input, mean output, sigma input, sigma output). The means are the paper's
+# (Kwon et al. 2023, Sec. 6.1); the lognormal sigmas are our choice (long right tails), not fitted.
+WORKLOADS = {
+    "sharegpt": (161.31, 337.99, 1.0, 0.8),
+    "alpaca": (19.31, 58.45, 0.6, 0.9),
+}
+
+
+def sample_requests(
+    n: int, workload: str = "sharegpt", max_len: int = 2048, seed: int = 0
+) -> list[tuple[int, int]]:
+    """Draw n synthetic (input_len, output_len) pairs, seeded.
+
+    Each length is lognormal, LogNormal(mu, sigma) with mu = ln(mean) - sigma**2 / 2 so that its mean
+    is the paper's: ShareGPT 161.31 input / 337.99 output tokens, Alpaca 19.31 / 58.45 (Kwon et al.,
+    SOSP 2023), sigmas in WORKLOADS. Lengths are rounded to ints >= 1, then clipped like a server
+    would: the prompt to at most max_len - 1, the output to max_len - input_len, so that
+    input_len + output_len <= max_len. Clipping lowers the means: at max_len 2048 by about 1.5% for
+    ShareGPT's outputs and under 1% otherwise; by much more at small max_len (ShareGPT outputs: -9% at
+    1024, -32% at 512), as a server that caps lengths would.
+    """
+    if not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be an int >= 0, got {n!r}")
+    if workload not in WORKLOADS:
+        raise ValueError(f"workload must be one of {sorted(WORKLOADS)}, got {workload!r}")
+    if not isinstance(max_len, int) or max_len < 2:
+        raise ValueError(f"max_len must be an int >= 2 (one prompt and one output token), got {max_len!r}")
+    mean_in, mean_out, sigma_in, sigma_out = WORKLOADS[workload]
+    rng = np.random.default_rng(seed)
+    inp = rng.lognormal(math.log(mean_in) - sigma_in**2 / 2, sigma_in, size=n)  # (n,)
+    out = rng.lognormal(math.log(mean_out) - sigma_out**2 / 2, sigma_out, size=n)  # (n,)
+    inp = np.clip(np.rint(inp), 1, max_len - 1).astype(np.int64)
+    out = np.clip(np.rint(out), 1, max_len - inp).astype(np.int64)
+    return [(int(i), int(o)) for i, o in zip(inp, out, strict=True)]
+
+
+# -----------------------------------------------------------------------------
+# reservation schemes: slots reserved for one request
+
+
+def reserved_slots(
+    final_len: int, scheme: str, *, max_len: int = 2048, block_size: int = 16, num_tokens: int | None = None
+) -> int:
+    """KV slots one request holds under `scheme`, when it will end at `final_len` tokens.
+
+    static: max_len, reserved up front (Orca (Max) in the paper).
+    pow2:   the next power of two >= final_len, at most max_len (Orca (Pow2): up to 2x too much).
+    oracle: exactly final_len (Orca (Oracle): knows the output length in advance).
+    paged:  whole blocks for the num_tokens it holds now (default: final_len), ceil(n / bs) * bs.
+    The three contiguous schemes reserve for the final length even while the request is shorter.
+    """
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
+    if final_len < 1:
+        raise ValueError(f"final_len must be >= 1, got {final_len!r}")
+    if scheme != "paged" and final_len > max_len:
+        raise ValueError(f"final_len must be <= max_len={max_len} under scheme {scheme!r}, got {final_len!r}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size!r}")
+    if num_tokens is not None and not 0 <= num_tokens <= final_len:
+        raise ValueError(f"num_tokens must be in [0, final_len={final_len}], got {num_tokens!r}")
+    if scheme == "static":
+        return max_len
+    if scheme == "pow2":
+        return min(1 << (final_len - 1).bit_length(), max_len)
+    if scheme == "oracle":
+        return final_len
+    held = final_len if num_tokens is None else num_tokens
+    return -(-held // block_size) * block_size  # ceil to whole blocks
+
+
+# -----------------------------------------------------------------------------
+# snapshot of a set of live requests
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """KV slots reserved by a set of live requests, and how many of them hold real tokens."""
+
+    num_requests: int
+    tokens: int  # slots holding a token's K/V
+    reserved_slots: int  # slots set aside for these requests
+
+    @property
+    def token_share(self) -> float:
+        """Share of reserved slots holding real tokens (1.0 when nothing is reserved)."""
+        return self.tokens / self.reserved_slots if self.reserved_slots else 1.0
+
+    @property
+    def wasted_slots(self) -> int:
+        return self.reserved_slots - self.tokens
+
+
+def _check_requests(requests: Sequence[tuple[int, int]], max_len: int | None) -> None:
+    for req in requests:
+        if len(req) != 2 or req[0] < 1 or req[1] < 0:
+            raise ValueError(f"each request must be (input_len >= 1, output_len >= 0), got {req!r}")
+        if max_len is not None and req[0] + req[1] > max_len:
+            raise ValueError(f"request {req!r} is longer than max_len={max_len}")
+
+
+def _tokens_held(req: tuple[int, int], progress: float) -> int:
+    """Tokens a request holds once it has generated `progress` of its output."""
+    return req[0] + round(progress * req[1])
+
+
+def _check_progress(progress: float) -> None:
+    if not 0.0 <= progress <= 1.0:
+        raise ValueError(f"progress must be in [0, 1], got {progress!r}")
+
+
+def reservation(
+    requests: Sequence[tuple[int, int]],
+    scheme: str,
+    *,
+    max_len: int = 2048,
+    block_size: int = 16,
+    progress: float = 1.0,
+) -> Reservation:
+    """Slots reserved vs tokens held by `requests` (input_len, output_len), all live at once.
+
+    `progress` is how much of its output every request has generated at the snapshot: 1.0 (default)
+    is the moment each finishes, the best case for every scheme; 0.5 is halfway.
+    """
+    _check_requests(requests, None if scheme == "paged" else max_len)
+    _check_progress(progress)
+    tokens = reserved = 0
+    for req in requests:
+        held = _tokens_held(req, progress)
+        tokens += held
+        reserved += reserved_slots(sum(req), scheme, max_len=max_len, block_size=block_size, num_tokens=held)
+    return Reservation(len(requests), tokens, reserved)
+
+
+def static_reservation(
+    requests: Sequence[tuple[int, int]], max_len: int, progress: float = 1.0
+) -> Reservation:
+    """Every request reserves max_len slots up front (Orca (Max))."""
+    return reservation(requests, "static", max_len=max_len, progress=progress)
+
+
+def paged_reservation(
+    requests: Sequence[tuple[int, int]], block_size: int, progress: float = 1.0
+) -> Reservation:
+    """Every request holds ceil(tokens / block_size) blocks: at most block_size - 1 slots wasted each."""
+    return reservation(requests, "paged", block_size=block_size, progress=progress)
+
+
+def requests_that_fit(
+    requests: Sequence[tuple[int, int]],
+    kv_budget_tokens: int,
+    scheme: str,
+    *,
+    max_len: int = 2048,
+    block_size: int = 16,
+) -> int:
+    """How many requests, admitted first-come first-served, fit in a budget of kv_budget_tokens slots.
+
+    Each request is counted at its final length input_len + output_len (static schemes reserve for it
+    up front; paging holds the blocks those tokens fill at the end). Admission stops at the first
+    request that does not fit, as a FCFS scheduler that never skips ahead would.
+    """
+    if kv_budget_tokens < 0:
+        raise ValueError(f"kv_budget_tokens must be >= 0, got {kv_budget_tokens!r}")
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
+    _check_requests(requests, None if scheme == "paged" else max_len)
+    used = 0
+    for count, req in enumerate(requests):
+        used += reserved_slots(sum(req), scheme, max_len=max_len, block_size=block_size)
+        if used > kv_budget_tokens:
+            return count
+    return len(requests)
