@@ -1,0 +1,227 @@
+"""The paged KV cache: per layer, a key pool and a value pool cut into fixed-size blocks (pages).
+
+A token's K/V lives at a *slot*: slot = block_id * block_size + offset. The block table (one list of
+block ids per sequence) turns a token index into a slot; `reshape_and_cache` writes a batch of new
+tokens' K/V to their slots (vLLM's name). Pools are [num_blocks, block_size, num_kv_heads, head_size],
+the layout `vllmini.paged_attention` and the CUDA kernels read.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_INT_DTYPES = (torch.int32, torch.int64)
+
+
+def _check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    """Both pools 4-D, same shape, same floating dtype, same device."""
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must be 4-D [num_blocks, block_size, num_kv_heads, head_size], "
+                f"got shape {tuple(t.shape)}"
+            )
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must have a floating dtype, got {t.dtype}")
+    if key_cache.shape != value_cache.shape:
+        raise ValueError(
+            f"key_cache and value_cache must have the same shape, got {tuple(key_cache.shape)} "
+            f"and {tuple(value_cache.shape)}"
+        )
+    if key_cache.dtype != value_cache.dtype:
+        raise TypeError(f"key_cache is {key_cache.dtype} but value_cache is {value_cache.dtype}")
+    if key_cache.device != value_cache.device:
+        raise ValueError(f"key_cache is on {key_cache.device} but value_cache is on {value_cache.device}")
+
+
+def reshape_and_cache(
+    key: torch.Tensor,  # (num_tokens, num_kv_heads, head_size)
+    value: torch.Tensor,  # (num_tokens, num_kv_heads, head_size)
+    key_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_size)
+    value_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_size)
+    slot_mapping: torch.Tensor,  # (num_tokens,) int32/int64, -1 = padding (skipped)
+) -> None:
+    """Write each token's key/value into the cache slot `slot_mapping` gives it, in place.
+
+    Everything is checked before anything is written, so a failed call leaves the cache unchanged.
+    key/value must already have the cache's dtype (no silent down-casting). Duplicate slots are an
+    error: two tokens cannot own one slot.
+    """
+    _check_cache_pair(key_cache, value_cache)
+    num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
+    for name, t in (("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3 or tuple(t.shape[1:]) != (num_kv_heads, head_size):
+            raise ValueError(
+                f"{name} must be [num_tokens, {num_kv_heads}, {head_size}] to match the cache, "
+                f"got shape {tuple(t.shape)}"
+            )
+        if t.dtype != key_cache.dtype:
+            raise TypeError(f"{name} is {t.dtype} but the cache is {key_cache.dtype}; cast it first")
+        if t.device != key_cache.device:
+            raise ValueError(f"{name} is on {t.device} but the cache is on {key_cache.device}")
+    if key.shape != value.shape:
+        raise ValueError(f"key and value shapes differ: {tuple(key.shape)} vs {tuple(value.shape)}")
+    if not isinstance(slot_mapping, torch.Tensor):
+        raise TypeError(f"slot_mapping must be a torch.Tensor, got {type(slot_mapping).__name__}")
+    if slot_mapping.dtype not in _INT_DTYPES:
+        raise TypeError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
+    if slot_mapping.shape != (key.shape[0],):
+        raise ValueError(
+            f"slot_mapping must be [num_tokens] = [{key.shape[0]}], got shape {tuple(slot_mapping.shape)}"
+        )
+    if slot_mapping.device != key_cache.device:
+        raise ValueError(f"slot_mapping is on {slot_mapping.device} but the cache is on {key_cache.device}")
+
+    num_slots = num_blocks * block_size
+    slots = slot_mapping.to(torch.int64)
+    bad = (slots < -1) | (slots >= num_slots)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"slot_mapping[{i}] = {int(slots[i])} is out of range: expected -1 (skip) or a slot in "
+            f"[0, {num_slots}) (num_blocks {num_blocks} x block_size {block_size})"
+        )
+    keep = slots >= 0
+    slots = slots[keep]
+    if slots.numel() != torch.unique(slots).numel():
+        s, counts = torch.unique(slots, return_counts=True)
+        raise ValueError(f"slot_mapping writes slot {int(s[counts > 1][0])} more than once")
+    # (block, offset) indexing works in place whatever the cache's strides are
+    blocks, offsets = slots // block_size, slots % block_size
+    key_cache[blocks, offsets] = key[keep]
+    value_cache[blocks, offsets] = value[keep]
+
+
+class PagedKVCache:
+    """K and V pools for every layer, sized by block count, by a byte budget, or by free GPU memory."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_size: int,
+        block_size: int,
+        *,
+        num_blocks: int | None = None,
+        memory_bytes: int | None = None,
+        gpu_memory_utilization: float | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ):
+        for name, v in (
+            ("num_layers", num_layers),
+            ("num_kv_heads", num_kv_heads),
+            ("head_size", head_size),
+            ("block_size", block_size),
+        ):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+        device = torch.device(device)
+        given = [
+            n
+            for n, v in (
+                ("num_blocks", num_blocks),
+                ("memory_bytes", memory_bytes),
+                ("gpu_memory_utilization", gpu_memory_utilization),
+            )
+            if v is not None
+        ]
+        if len(given) != 1:
+            raise ValueError(
+                f"give exactly one of num_blocks, memory_bytes, gpu_memory_utilization; got {given or 'none'}"
+            )
+        per_block = self.bytes_per_block(num_layers, num_kv_heads, head_size, block_size, dtype)
+        if memory_bytes is not None:
+            if isinstance(memory_bytes, bool) or not isinstance(memory_bytes, int) or memory_bytes < 0:
+                raise ValueError(f"memory_bytes must be a non-negative int, got {memory_bytes!r}")
+            num_blocks = memory_bytes // per_block
+            if num_blocks < 1:
+                raise ValueError(
+                    f"memory_bytes={memory_bytes} holds no block: one block needs {per_block} bytes"
+                )
+        elif gpu_memory_utilization is not None:
+            if device.type != "cuda":
+                raise ValueError(f"gpu_memory_utilization needs a CUDA device, got device={device}")
+            if not 0.0 < float(gpu_memory_utilization) <= 1.0:
+                raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+            free, _total = torch.cuda.mem_get_info(device)
+            num_blocks = int(free * float(gpu_memory_utilization)) // per_block
+            if num_blocks < 1:
+                raise ValueError(
+                    f"{gpu_memory_utilization:.0%} of {free} free bytes holds no block of {per_block} bytes"
+                )
+        elif isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+
+        self.num_layers, self.num_kv_heads, self.head_size = num_layers, num_kv_heads, head_size
+        self.block_size, self.num_blocks, self.dtype, self.device = block_size, num_blocks, dtype, device
+        shape = (num_blocks, block_size, num_kv_heads, head_size)
+        # zeros, not empty: a fresh cache prints the same on every run
+        self.key_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.value_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_block(
+        num_layers: int, num_kv_heads: int, head_size: int, block_size: int, dtype: torch.dtype
+    ) -> int:
+        """Bytes one block id costs across all layers, K and V together."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * block_size * num_kv_heads * head_size * itemsize
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all pools (K and V, every layer)."""
+        return sum(t.nbytes for t in self.key_caches + self.value_caches)
+
+    @property
+    def num_slots(self) -> int:
+        """Token slots per layer: num_blocks * block_size."""
+        return self.num_blocks * self.block_size
+
+    def write(
+        self,
+        layer: int,
+        key: torch.Tensor,  # (num_tokens, num_kv_heads, head_size)
+        value: torch.Tensor,  # (num_tokens, num_kv_heads, head_size)
+        slot_mapping: torch.Tensor,  # (num_tokens,) int, -1 = skip
+    ) -> None:
+        """Write one layer's new K/V through the slot mapping (see `reshape_and_cache`)."""
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
+        reshape_and_cache(key, value, self.key_caches[layer], self.value_caches[layer], slot_mapping)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy block src -> dst in every layer's K and V pools (copy-on-write after a fork).
+
+        All pairs are read before any is written, so a dst that is also a src gets the old contents.
+        A dst may appear only once.
+        """
+        pairs = [tuple(p) for p in pairs]
+        for p in pairs:
+            if len(p) != 2 or not all(isinstance(b, int) and not isinstance(b, bool) for b in p):
+                raise ValueError(f"each pair must be (src_block, dst_block) ints, got {p!r}")
+            for b in p:
+                if not 0 <= b < self.num_blocks:
+                    raise ValueError(f"block id {b} in pair {p} is out of range [0, {self.num_blocks})")
+        dsts = [d for _, d in pairs]
+        if len(set(dsts)) != len(dsts):
+            raise ValueError(f"a destination block appears more than once in {pairs}")
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=self.device)
+        dst = torch.tensor(dsts, dtype=torch.int64, device=self.device)
+        for cache in self.key_caches + self.value_caches:
+            cache[dst] = cache[src]  # the right side is gathered (a copy) before the write
+
+    def __repr__(self) -> str:
+        return (
+            f"PagedKVCache(num_layers={self.num_layers}, num_blocks={self.num_blocks}, "
+            f"block_size={self.block_size}, num_kv_heads={self.num_kv_heads}, head_size={self.head_size}, "
+            f"dtype={self.dtype}, device={self.device}, nbytes={self.nbytes})"
+        )
