@@ -1,0 +1,342 @@
+"""Turn CUDA source text into a C++ translation unit, compile it with the system compiler, cache the result.
+
+The translation unit is: cuda_emu.h, a `#line 1 "<file>.cu"` directive, the kernel source exactly as given,
+definitions for its dynamic shared memory, a launcher table, and emu_runtime.h. Builds are cached on disk
+(keyed by a hash of everything that goes into them) and in memory, so a kernel compiles once per machine.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from vllmini.errors import VllminiError
+
+HERE = Path(__file__).resolve().parent
+HEADER_FILES = (
+    "cuda_emu.h",
+    "emu_runtime.h",
+    "include/cuda_fp16.h",
+    "include/cuda_bf16.h",
+    "include/cuda_runtime.h",
+)
+DYNAMIC_SHARED_BYTES = 232448  # 227 KiB: the most dynamic shared memory an H100/H200 block may opt into
+BUILD_VERSION = "1"  # bump when the generated code changes in a way the hashed files do not show
+
+# NVRTC/nvcc options that mean nothing on a CPU; everything else except -D/-U/-I is refused
+_IGNORED_OPTIONS = (
+    "-arch",
+    "--gpu-architecture",
+    "-std",
+    "--std",
+    "--use_fast_math",
+    "-use_fast_math",
+    "-lineinfo",
+    "--generate-line-info",
+    "-G",
+    "--device-debug",
+    "--fmad",
+    "-fmad",
+    "-rdc",
+    "--relocatable-device-code",
+    "-default-device",
+    "--extra-device-vectorization",
+    "-dopt",
+    "--restrict",
+    "-ftz",
+    "-prec-div",
+    "-prec-sqrt",
+    "--ftz",
+    "--prec-div",
+    "--prec-sqrt",
+    "-dlto",
+    "--dlink-time-opt",
+)
+
+compile_count = 0  # how many times this process ran the C++ compiler (tests read it to check the cache)
+_lock = threading.Lock()
+_loaded: dict[str, ctypes.CDLL] = {}
+
+
+class CompileError(VllminiError):
+    """The C++ compiler rejected the kernel (message and kernel line included), or there is no compiler."""
+
+
+@dataclass(frozen=True)
+class KernelInfo:
+    """What the source says about one `__global__` function: its name and parameter names and C types."""
+
+    name: str
+    param_names: tuple[str, ...]
+    param_types: tuple[str, ...]  # the C type text, e.g. "const float* __restrict__"
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels live: $VLLMINI_CACHE_DIR/emulator, else $XDG_CACHE_HOME/vllmini/emulator,
+    else ~/.cache/vllmini/emulator."""
+    if os.environ.get("VLLMINI_CACHE_DIR"):
+        return Path(os.environ["VLLMINI_CACHE_DIR"]) / "emulator"
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "vllmini" / "emulator"
+
+
+def check_platform() -> None:
+    if sys.platform.startswith("win"):
+        raise CompileError(
+            "the CUDA emulator needs Linux or macOS (it runs CUDA threads as fibers); on Windows use WSL "
+            "(https://learn.microsoft.com/windows/wsl/) and install g++ there"
+        )
+
+
+@functools.cache
+def find_compiler() -> tuple[str, str]:
+    """(path, version line) of the C++ compiler: $CXX, else c++, g++, clang++."""
+    check_platform()
+    candidates = [os.environ["CXX"]] if os.environ.get("CXX") else ["c++", "g++", "clang++"]
+    for name in candidates:
+        path = shutil.which(name)
+        if path:
+            out = subprocess.run([path, "--version"], capture_output=True, text=True)
+            if out.returncode == 0:
+                return path, out.stdout.splitlines()[0] if out.stdout else name
+    hint = (
+        "xcode-select --install"
+        if sys.platform == "darwin"
+        else "sudo apt-get install g++  (or dnf install gcc-c++)"
+    )
+    raise CompileError(f"no C++ compiler found (looked for {', '.join(candidates)}); install one: {hint}")
+
+
+# ---------------------------------------------------------------- reading the source (never editing it)
+def strip_comments(code: str) -> str:
+    """The source with comments and string contents blanked out, same length and line breaks."""
+
+    def blank(m: re.Match) -> str:
+        t = m.group(0)
+        if t.startswith('"') or t.startswith("'"):
+            return t[0] + re.sub(r"[^\n]", " ", t[1:-1]) + t[-1]
+        return re.sub(r"[^\n]", " ", t)
+
+    return re.sub(r'//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'', blank, code, flags=re.S)
+
+
+_KERNEL_RE = re.compile(
+    r"__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?"
+    r"([A-Za-z_]\w*)\s*\("
+)
+_EXTERN_SHARED_RE = re.compile(
+    r"extern\s+__shared__\s+((?:__align__\s*\(\s*\d+\s*\)\s*)?)([A-Za-z_][\w\s:<>,]*?)"
+    r"\s*([A-Za-z_]\w*)\s*\[\s*\]"
+)
+
+
+def find_kernels(code: str) -> dict[str, KernelInfo]:
+    """Every `__global__ void name(...)` in the source, with its parameter names and types."""
+    text = strip_comments(code)
+    kernels = {}
+    for m in _KERNEL_RE.finditer(text):
+        depth, i = 1, m.end()
+        while i < len(text) and depth:
+            depth += {"(": 1, ")": -1}.get(text[i], 0)
+            i += 1
+        params = text[m.end() : i - 1]
+        names, types = [], []
+        if params.strip() not in ("", "void"):
+            for k, part in enumerate(_split_top_level(params)):
+                part = " ".join(part.split("=")[0].split())
+                pm = re.match(r"(.*?)([A-Za-z_]\w*)\s*(\[[^\]]*\])?\s*$", part)
+                if pm and pm.group(1).strip():
+                    types.append(pm.group(1).strip())
+                    names.append(pm.group(2))
+                else:
+                    types.append(part)
+                    names.append(f"arg{k}")
+        kernels[m.group(1)] = KernelInfo(m.group(1), tuple(names), tuple(types))
+    return kernels
+
+
+def _split_top_level(params: str) -> list[str]:
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(params):
+        depth += {"(": 1, "<": 1, ")": -1, ">": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            parts.append(params[start:i])
+            start = i + 1
+    parts.append(params[start:])
+    return parts
+
+
+def find_dynamic_shared(code: str) -> list[tuple[str, str, str]]:
+    """(align, type, name) of every `extern __shared__ T name[];` declaration, one per name."""
+    seen = {}
+    for m in _EXTERN_SHARED_RE.finditer(strip_comments(code)):
+        seen.setdefault(m.group(3), (m.group(1).strip(), " ".join(m.group(2).split()), m.group(3)))
+    return list(seen.values())
+
+
+# ---------------------------------------------------------------- the translation unit
+def translation_unit(code: str, filename: str, kernel_names: list[str], *, main: bool) -> str:
+    """C++ text: header, the untouched source, dynamic shared memory, the launcher table, the runtime."""
+    dyn = []
+    for align, ctype, name in find_dynamic_shared(code):
+        # thread_local: one copy per OS thread = per block, like every other __shared__ object here
+        dyn.append(
+            f"{align or '__align__(16)'} thread_local {ctype} {name}"
+            f"[{DYNAMIC_SHARED_BYTES} / sizeof({ctype})];"
+        )
+    entries = "\n".join(
+        f"static void __emu_entry_{k}(void** a) {{ __emu::call(&{k}, a); }}\n"
+        f"static std::string __emu_sig_{k}() {{ return __emu::signature(&{k}); }}"
+        for k in kernel_names
+    )
+    table = ",\n    ".join(f'{{"{k}", __emu_entry_{k}, __emu_sig_{k}}}' for k in kernel_names)
+    return f"""// generated by vllmini.emulator: do not edit
+#include "cuda_emu.h"
+#line 1 "{filename}"
+{code}
+#line 1 "<vllmini.emulator launcher>"
+{chr(10).join(dyn)}
+#include "emu_runtime.h"
+{entries}
+static const __emu::KernelEntry __emu_table[] = {{
+    {table}
+}};
+#include "emu_entry.h"
+{"#include " + chr(34) + "emu_main.h" + chr(34) if main else ""}
+"""
+
+
+def _hash(*parts: str | bytes) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(p.encode() if isinstance(p, str) else p)
+        h.update(b"\0")
+    return h.hexdigest()[:24]
+
+
+def _option_flags(options: tuple[str, ...]) -> list[str]:
+    flags = []
+    for opt in options:
+        if not isinstance(opt, str):
+            raise TypeError(f"options must be strings, got {opt!r}")
+        if opt.startswith(("-D", "-U", "-I")):
+            flags.append(opt)
+        elif not opt.startswith(_IGNORED_OPTIONS):
+            raise ValueError(
+                f"option {opt!r} is not supported by the CPU emulator (it accepts -D, -U, -I and ignores "
+                f"GPU-only flags such as -arch, -std, --use_fast_math)"
+            )
+    return flags
+
+
+def build(
+    code: str, filename: str, kernel_names: list[str], options: tuple[str, ...], *, checked: bool
+) -> Path:
+    """Compile (or find in the cache) a shared library, or with checked=True an ASan executable."""
+    global compile_count
+    cxx, version = find_compiler()
+    flags = _option_flags(options)
+    headers = "".join((HERE / f).read_text() for f in (*HEADER_FILES, "emu_entry.h", "emu_main.h"))
+    tu = translation_unit(code, filename, kernel_names, main=checked)
+    key = _hash(
+        BUILD_VERSION,
+        tu,
+        headers,
+        " ".join(flags),
+        cxx,
+        version,
+        sys.platform,
+        "checked" if checked else "so",
+    )
+    out_dir = cache_dir()
+    target = out_dir / (f"{Path(filename).stem}-{key}" + (".asan" if checked else ".so"))
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        src = Path(tmp) / "tu.cpp"
+        src.write_text(tu)
+        if checked:
+            mode = ["-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all"]
+            if "clang" in version.lower():
+                mode.append("-shared-libsan")  # the ASan runtime keeps its thread-locals out of our TLS block
+        else:
+            mode = ["-O2", "-fPIC", "-shared", "-fvisibility=hidden", "-fvisibility-inlines-hidden"]
+        if sys.platform.startswith("linux"):
+            mode.append("-ldl")
+        cmd = [
+            cxx,
+            "-std=c++17",
+            *mode,
+            "-fno-strict-aliasing",
+            f"-I{HERE}",
+            f"-I{HERE / 'include'}",
+            *flags,
+            str(src),
+            "-o",
+            str(Path(tmp) / "out"),
+        ]
+        with _lock:
+            compile_count += 1
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise CompileError(_compile_message(proc.stderr, filename, checked))
+        os.replace(Path(tmp) / "out", target)  # atomic: a concurrent build of the same key is harmless
+    return target
+
+
+def _compile_message(stderr: str, filename: str, checked: bool) -> str:
+    """One headline naming the kernel line, then the compiler's own output (trimmed)."""
+    lines = [ln for ln in stderr.splitlines() if "tu.cpp" not in ln]
+    errors = [ln.strip() for ln in lines if "error" in ln.lower()]
+    in_kernel = [ln for ln in errors if ln.startswith(f"{filename}:")]
+    head = (in_kernel or errors or ["the C++ compiler failed"])[0]
+    origin = next(
+        (ln.strip() for ln in lines if ln.startswith(f"{filename}:") and "required from" in ln), None
+    )
+    if not in_kernel and origin:
+        head += f" [{origin.split(':   required')[0].split(': required')[0]}]"
+    if "asm" in stderr or "Assembler" in stderr:
+        head += " (inline PTX / asm is not supported by the CPU emulator)"
+    if checked and "asan" in stderr.lower() and ("cannot find" in stderr or "not found" in stderr):
+        head = "AddressSanitizer is missing: install libasan (apt-get install libasan8) or use clang"
+    body = "\n".join(lines[:40])
+    return (
+        f"{head}\n(the emulator supports the CUDA subset listed in vllmini/emulator/cuda_emu.h)\n"
+        f"--- compiler output ---\n{body}"
+    )
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """dlopen a compiled kernel library once per process."""
+    key = str(path)
+    with _lock:
+        lib = _loaded.get(key)
+        if lib is None:
+            lib = ctypes.CDLL(key)
+            lib.emu_launch.restype = ctypes.c_int
+            lib.emu_launch.argtypes = [
+                ctypes.c_int,
+                ctypes.c_void_p,
+                ctypes.POINTER(ctypes.c_uint),
+                ctypes.POINTER(ctypes.c_uint),
+                ctypes.c_int,
+                ctypes.c_ulonglong,
+            ]
+            lib.emu_error.restype = ctypes.c_char_p
+            lib.emu_signature.restype = ctypes.c_char_p
+            lib.emu_signature.argtypes = [ctypes.c_int]
+            lib.emu_kernel_index.restype = ctypes.c_int
+            lib.emu_kernel_index.argtypes = [ctypes.c_char_p]
+            _loaded[key] = lib
+    return lib

@@ -1,0 +1,649 @@
+// emu_runtime.h: the emulator's scheduler. Included at the END of the generated translation unit, after
+// cuda_emu.h, the kernel source and the generated launcher table.
+//
+// Execution model
+//   * Blocks run one after another (x fastest, then y, then z) on the calling OS thread.
+//   * Every CUDA thread of a block is a fiber: its own stack (mmap'd, with a guard page) and a saved
+//     context. On x86-64 Linux a fiber switch is 12 instructions of assembly below (save the callee-saved
+//     registers on the old stack, swap stack pointers, restore); elsewhere (aarch64, macOS, or with
+//     -DEMU_UCONTEXT) it is ucontext's swapcontext, which is portable but makes a system call per switch.
+//   * The scheduler walks the threads in a fixed order ("in order", "reverse", or a seeded shuffle
+//     redrawn on every pass) and runs each until it reaches __syncthreads(), a warp collective, or
+//     returns. Nothing else switches, so a run is deterministic: a race shows up on every run.
+//   * A barrier releases when every thread of the block has arrived at the same __syncthreads() line.
+//     A warp collective completes when every lane named in its mask has arrived at the same collective
+//     (same operation, mask and width; same line except for __syncwarp).
+//   * Errors (deadlock, mismatched collectives, bad masks, a shuffle reading a lane outside the mask,
+//     assert, __trap) stop the launch: the message goes back to Python, which raises KernelError.
+//   * A memory fault inside a kernel (a wild index, a fiber stack overflow into its guard page) is caught
+//     by a SIGSEGV/SIGBUS handler on an alternate stack that jumps back out of the launch, so Python gets
+//     an exception instead of a crash (not in checked mode: AddressSanitizer reports those itself).
+//   * Shared memory is thread_local storage (one copy per OS thread = per block); before each block
+//     the module's whole TLS block is filled with 0xFF bytes, so a read before the write reads NaN.
+#include <dlfcn.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <ucontext.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+#if defined(__linux__)
+#include <link.h>
+#endif
+#if defined(__SANITIZE_ADDRESS__)
+#define EMU_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define EMU_ASAN 1
+#endif
+#endif
+#ifdef EMU_ASAN
+#include <sanitizer/common_interface_defs.h>
+#endif
+
+#if defined(__x86_64__) && defined(__linux__) && !defined(EMU_UCONTEXT)
+#define EMU_FAST_SWITCH 1
+// emu_switch(save, next): push callee-saved registers and the FP control words, store the stack pointer
+// in *save, load next as the stack pointer, pop the same set, return into the other fiber.
+extern "C" void emu_switch(void** save, void* next) __attribute__((visibility("hidden")));
+extern "C" void emu_fiber_start() __attribute__((visibility("hidden")));
+extern "C" void emu_fiber_entry() __attribute__((visibility("hidden")));
+asm(R"(
+    .text
+    .p2align 4
+    .hidden emu_switch
+    .globl emu_switch
+    .type emu_switch, @function
+emu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $8, %rsp
+    stmxcsr (%rsp)
+    fnstcw 4(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr (%rsp)
+    fldcw 4(%rsp)
+    addq $8, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size emu_switch, .-emu_switch
+    .p2align 4
+    .hidden emu_fiber_start
+    .globl emu_fiber_start
+    .type emu_fiber_start, @function
+emu_fiber_start:
+    andq $-16, %rsp
+    call emu_fiber_entry
+    ud2
+    .size emu_fiber_start, .-emu_fiber_start
+)");
+#endif
+
+namespace __emu {
+
+enum State { ST_RUN = 0, ST_BARRIER, ST_WARP, ST_DONE };
+
+struct Fiber : ThreadView {
+#ifdef EMU_FAST_SWITCH
+    void* sp = nullptr;
+#else
+    ucontext_t ctx;
+#endif
+    int lin = 0;    // linear thread id: x + y * bx + z * bx * by
+    int state = ST_RUN;
+    // the collective or barrier this thread waits at
+    int op = 0, arg = 0, width = 32, line = 0;
+    unsigned int mask = 0;
+    const char* file = "";
+    unsigned long long value = 0, result = 0;
+};
+
+struct Launch {
+    void (*entry)(void**) = nullptr;
+    void** args = nullptr;
+    std::vector<Fiber> fibers;
+    std::vector<char*> stacks;
+    size_t stack_size = 0;
+    std::vector<int> order;
+    int n = 0, n_done = 0, n_barrier = 0;
+    int failed = 0;
+#ifdef EMU_FAST_SWITCH
+    void* scheduler_sp = nullptr;
+#else
+    ucontext_t scheduler;
+#endif
+    unsigned long long rng = 0;
+    const void* main_bottom = nullptr;  // the scheduler's stack, for AddressSanitizer's fiber bookkeeping
+    size_t main_size = 0;
+};
+inline Launch L;
+inline char error_message[4096];
+
+inline Fiber* self() { return static_cast<Fiber*>(cur); }
+
+#ifdef EMU_FAST_SWITCH
+#define EMU_SWAP_TO_SCHEDULER(f) emu_switch(&(f)->sp, L.scheduler_sp)
+#define EMU_SWAP_TO_FIBER(f) emu_switch(&L.scheduler_sp, (f)->sp)
+#else
+#define EMU_SWAP_TO_SCHEDULER(f) swapcontext(&(f)->ctx, &L.scheduler)
+#define EMU_SWAP_TO_FIBER(f) swapcontext(&L.scheduler, &(f)->ctx)
+#endif
+
+inline void to_scheduler() {  // a fiber gives control back to the scheduler
+    Fiber* f = self();
+#ifdef EMU_ASAN
+    void* fake = nullptr;
+    __sanitizer_start_switch_fiber(&fake, L.main_bottom, L.main_size);
+    EMU_SWAP_TO_SCHEDULER(f);
+    __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#else
+    EMU_SWAP_TO_SCHEDULER(f);
+#endif
+}
+
+[[noreturn]] inline void to_scheduler_final() {  // a fiber that has finished leaves for good
+    Fiber* f = self();
+#ifdef EMU_ASAN
+    __sanitizer_start_switch_fiber(nullptr, L.main_bottom, L.main_size);
+#endif
+    EMU_SWAP_TO_SCHEDULER(f);
+    abort();  // never resumed
+}
+
+inline void to_fiber(Fiber* f) {  // the scheduler resumes a fiber
+    cur = f;
+#ifdef EMU_ASAN
+    void* fake = nullptr;
+    __sanitizer_start_switch_fiber(&fake, L.stacks[f->lin], L.stack_size);
+    EMU_SWAP_TO_FIBER(f);
+    __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#else
+    EMU_SWAP_TO_FIBER(f);
+#endif
+}
+
+inline void describe_thread(char* buf, size_t n, const Fiber* f) {
+    snprintf(buf, n, "thread (%u,%u,%u) of block (%u,%u,%u) [warp %d lane %d]", f->tid.x, f->tid.y, f->tid.z,
+             block_idx.x, block_idx.y, block_idx.z, f->lin / 32, f->lin % 32);
+}
+
+inline void record_error(const Fiber* who, const char* file, int line, const char* fmt, va_list ap) {
+    if (L.failed) return;  // keep the first error
+    char msg[3072];
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    if (who) {
+        char where[160];
+        describe_thread(where, sizeof where, who);
+        snprintf(error_message, sizeof error_message, "%s:%d: %s: %s", file, line, where, msg);
+    } else {
+        snprintf(error_message, sizeof error_message, "%s", msg);
+    }
+    L.failed = 1;
+}
+
+// Called from inside a fiber: record the error (naming thread `who`) and leave for good; the scheduler
+// sees L.failed and abandons the launch.
+[[noreturn]] inline void fail_as(const Fiber* who, const char* file, int line, const char* fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    record_error(who, file, line, fmt, ap);
+    va_end(ap);
+    if (cur) {
+        self()->state = ST_DONE;
+        to_scheduler_final();
+    }
+    abort();  // unreachable: a failed fiber is never resumed
+}
+
+[[noreturn]] void fail(const char* file, int line, const char* fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    record_error(self(), file, line, fmt, ap);
+    va_end(ap);
+    if (cur) {
+        self()->state = ST_DONE;
+        to_scheduler_final();
+    }
+    abort();
+}
+
+inline void scheduler_error(const char* fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    record_error(nullptr, "", 0, fmt, ap);
+    va_end(ap);
+}
+
+inline const char* op_name(int op) {
+    switch (op) {
+        case OP_SHFL_IDX: return "__shfl_sync";
+        case OP_SHFL_UP: return "__shfl_up_sync";
+        case OP_SHFL_DOWN: return "__shfl_down_sync";
+        case OP_SHFL_XOR: return "__shfl_xor_sync";
+        case OP_BALLOT: return "__ballot_sync";
+        case OP_ANY: return "__any_sync";
+        case OP_ALL: return "__all_sync";
+        case OP_SYNCWARP: return "__syncwarp";
+        default: return "?";
+    }
+}
+
+inline unsigned int active_mask() {
+    Fiber* f = self();
+    int base = f->lin & ~31;
+    unsigned int m = 0;
+    for (int l = 0; l < 32 && base + l < L.n; ++l)
+        if (L.fibers[base + l].state != ST_DONE) m |= 1u << l;
+    return m;
+}
+
+// Complete the collective that thread f just arrived at, if every lane of its mask is there.
+inline void try_complete_collective(Fiber* f) {
+    const int base = f->lin & ~31, lane = f->lin & 31;
+    for (int l = 0; l < 32; ++l) {
+        if (!((f->mask >> l) & 1u)) continue;
+        if (base + l >= L.n)
+            fail(f->file, f->line, "%s with mask 0x%08x names lane %d, but the block has only %d threads", op_name(f->op),
+                 f->mask, l, L.n);
+        Fiber* g = &L.fibers[base + l];
+        if (g->state == ST_DONE)
+            fail(f->file, f->line, "%s with mask 0x%08x names lane %d, which has already exited", op_name(f->op), f->mask, l);
+        if (g->state != ST_WARP) return;  // not there yet
+        bool same = g->op == f->op && g->mask == f->mask && g->width == f->width &&
+                    (f->op == OP_SYNCWARP || (g->line == f->line && !strcmp(g->file, f->file)));
+        if (!same)
+            fail(f->file, f->line,
+                 "lanes of one mask are at different warp collectives: lane %d is at %s(mask 0x%08x, width %d) "
+                 "line %d, lane %d is at %s(mask 0x%08x, width %d) line %d",
+                 lane, op_name(f->op), f->mask, f->width, f->line, l, op_name(g->op), g->mask, g->width, g->line);
+    }
+    // everyone is here: compute each lane's result
+    unsigned int votes = 0;
+    for (int l = 0; l < 32; ++l)
+        if (((f->mask >> l) & 1u) && L.fibers[base + l].value) votes |= 1u << l;
+    const int w = f->width;
+    for (int l = 0; l < 32; ++l) {
+        if (!((f->mask >> l) & 1u)) continue;
+        Fiber* g = &L.fibers[base + l];
+        int seg = l & ~(w - 1), src = l;
+        switch (g->op) {
+            case OP_SHFL_IDX: src = seg + (g->arg & (w - 1)); break;
+            case OP_SHFL_UP: src = (l - seg) >= g->arg ? l - g->arg : l; break;
+            case OP_SHFL_DOWN: src = (l - seg) + g->arg < w ? l + g->arg : l; break;
+            case OP_SHFL_XOR: src = ((l ^ g->arg) & 31) < seg + w ? ((l ^ g->arg) & 31) : l; break;
+            default: break;
+        }
+        switch (g->op) {
+            case OP_SHFL_IDX: case OP_SHFL_UP: case OP_SHFL_DOWN: case OP_SHFL_XOR:
+                if (!((f->mask >> src) & 1u)) {
+                    fail_as(g, g->file, g->line, "%s(mask 0x%08x) reads lane %d, which is not in the mask", op_name(g->op),
+                         g->mask, src);
+                }
+                g->result = L.fibers[base + src].value;
+                break;
+            case OP_BALLOT: g->result = votes; break;
+            case OP_ANY: g->result = votes != 0; break;
+            case OP_ALL: g->result = votes == f->mask; break;
+            default: g->result = 0;
+        }
+    }
+    for (int l = 0; l < 32; ++l)
+        if ((f->mask >> l) & 1u) L.fibers[base + l].state = ST_RUN;
+}
+
+unsigned long long warp_collective(int op, unsigned int mask, unsigned long long value, int arg, int width,
+                                   const char* file, int line) {
+    Fiber* f = self();
+    const int lane = f->lin & 31;
+    f->file = file;
+    f->line = line;
+    if (!((mask >> lane) & 1u))
+        fail(file, line, "%s called with mask 0x%08x, which does not include the caller's own lane %d", op_name(op), mask,
+             lane);
+    if (width < 1 || width > 32 || (width & (width - 1)))
+        fail(file, line, "%s width %d is not a power of two between 1 and 32", op_name(op), width);
+    f->op = op;
+    f->mask = mask;
+    f->value = value;
+    f->arg = arg;
+    f->width = width;
+    f->state = ST_WARP;
+    try_complete_collective(f);
+    if (f->state == ST_WARP) to_scheduler();
+    return f->result;
+}
+
+inline void try_release_barrier(Fiber* f) {
+    if (L.n_barrier + L.n_done < L.n) return;
+    if (L.n_done > 0) {
+        int first = -1;
+        for (int i = 0; i < L.n && first < 0; ++i)
+            if (L.fibers[i].state == ST_DONE) first = i;
+        fail_as(f, f->file, f->line,
+             "deadlock: __syncthreads() is waited on by %d threads, but %d threads of the block (first: thread %d) "
+             "have already returned and will never arrive (a barrier inside a branch not all threads take)",
+             L.n_barrier, L.n_done, first);
+    }
+    int count = 0;
+    for (auto& g : L.fibers) {
+        if (g.line != f->line || strcmp(g.file, f->file))
+            fail_as(f, f->file, f->line, "threads wait at different __syncthreads(): thread %d at line %d, thread %d at line %d",
+                 f->lin, f->line, g.lin, g.line);
+        count += g.value != 0;
+    }
+    for (auto& g : L.fibers) {
+        g.result = g.op == 1 ? count : g.op == 2 ? count == L.n : g.op == 3 ? count > 0 : 0;
+        g.state = ST_RUN;
+    }
+    L.n_barrier = 0;
+}
+
+int block_barrier(int kind, int pred, const char* file, int line) {
+    Fiber* f = self();
+    f->op = kind;
+    f->value = pred;
+    f->file = file;
+    f->line = line;
+    f->state = ST_BARRIER;
+    L.n_barrier++;
+    try_release_barrier(f);
+    if (f->state == ST_BARRIER) to_scheduler();
+    return static_cast<int>(f->result);
+}
+
+inline void fiber_main() {
+#ifdef EMU_ASAN
+    __sanitizer_finish_switch_fiber(nullptr, &L.main_bottom, &L.main_size);
+#endif
+    L.entry(L.args);
+    Fiber* f = self();
+    f->state = ST_DONE;
+    L.n_done++;
+    // a thread that returns may complete a barrier (an error: see try_release_barrier)
+    if (L.n_barrier > 0)
+        for (auto& g : L.fibers)
+            if (g.state == ST_BARRIER) { try_release_barrier(&g); break; }
+    to_scheduler_final();
+}
+
+}  // namespace __emu
+extern "C" void emu_fiber_entry() { __emu::fiber_main(); }
+namespace __emu {
+
+// ---- shared memory poisoning: fill this module's thread-local storage with 0xFF bytes
+struct TlsRange { char* start = nullptr; size_t size = 0; };
+#if defined(__linux__)
+inline int find_tls(struct dl_phdr_info* info, size_t, void* data) {
+    auto* out = static_cast<TlsRange*>(data);
+    uintptr_t me = reinterpret_cast<uintptr_t>(&find_tls);
+    bool mine = false;
+    size_t tls_size = 0;
+    for (int i = 0; i < info->dlpi_phnum; ++i) {
+        const auto& ph = info->dlpi_phdr[i];
+        if (ph.p_type == PT_LOAD && me >= info->dlpi_addr + ph.p_vaddr && me < info->dlpi_addr + ph.p_vaddr + ph.p_memsz)
+            mine = true;
+        if (ph.p_type == PT_TLS) tls_size = ph.p_memsz;
+    }
+    if (!mine) return 0;
+    out->start = static_cast<char*>(info->dlpi_tls_data);
+    out->size = tls_size;
+    return 1;
+}
+#endif
+inline thread_local char tls_anchor;  // touching it makes the loader allocate this module's TLS block
+inline TlsRange shared_memory_range() {
+    TlsRange r;
+    tls_anchor = 1;
+#if defined(__linux__)
+    dl_iterate_phdr(find_tls, &r);
+#endif
+    return r;  // elsewhere (macOS): not found, shared memory is not poisoned
+}
+
+inline unsigned long long next_random() {  // splitmix64
+    unsigned long long z = (L.rng += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+// schedule: 0 = in order, 1 = reverse, 2 = seeded shuffle redrawn on every pass
+inline int run_block(int schedule, TlsRange shared) {
+    if (shared.start) memset(shared.start, 0xff, shared.size);
+    L.n_done = L.n_barrier = 0;
+    for (int i = 0; i < L.n; ++i) {
+        Fiber& f = L.fibers[i];
+        f.state = ST_RUN;
+        f.value = f.result = 0;
+        f.op = 0;
+        f.line = 0;
+        f.file = "";
+#ifdef EMU_FAST_SWITCH
+        // a fresh stack that emu_switch "returns" into emu_fiber_start: FP control words, six zeroed
+        // registers, then the return address
+        void** top = reinterpret_cast<void**>(L.stacks[i] + L.stack_size) - 2;
+        top[0] = reinterpret_cast<void*>(&emu_fiber_start);
+        top -= 6;
+        for (int r = 0; r < 6; ++r) top[r] = nullptr;
+        top -= 1;
+        const unsigned int fp_words[2] = {0x1f80u, 0x037fu};  // MXCSR and x87 control word defaults
+        memcpy(top, fp_words, 8);
+        f.sp = top;
+#else
+        getcontext(&f.ctx);
+        f.ctx.uc_stack.ss_sp = L.stacks[i];
+        f.ctx.uc_stack.ss_size = L.stack_size;
+        f.ctx.uc_link = nullptr;
+        makecontext(&f.ctx, fiber_main, 0);
+#endif
+    }
+    for (;;) {
+        if (schedule == 2)
+            for (int i = L.n - 1; i > 0; --i) std::swap(L.order[i], L.order[next_random() % (i + 1)]);
+        bool progressed = false;
+        for (int i : L.order) {
+            Fiber* f = &L.fibers[i];
+            if (f->state != ST_RUN) continue;
+            to_fiber(f);
+            cur = nullptr;
+            progressed = true;
+            if (L.failed) return -1;
+        }
+        if (L.n_done == L.n) return 0;
+        if (!progressed) {  // everyone waits: describe who waits where
+            char msg[3072];
+            int len = snprintf(msg, sizeof msg, "deadlock in block (%u,%u,%u): ", block_idx.x, block_idx.y, block_idx.z);
+            int shown = 0;
+            for (auto& g : L.fibers) {
+                if (g.state == ST_DONE || shown >= 6 || len >= (int)sizeof msg - 200) continue;
+                len += snprintf(msg + len, sizeof msg - len, "%sthread %d waits at %s (%s:%d)", shown ? "; " : "", g.lin,
+                                g.state == ST_BARRIER ? "__syncthreads()" : op_name(g.op), g.file, g.line);
+                if (g.state == ST_WARP) {
+                    int base = g.lin & ~31;
+                    for (int l = 0; l < 32; ++l)
+                        if (((g.mask >> l) & 1u) && L.fibers[base + l].state != ST_WARP) {
+                            int st = base + l < L.n ? L.fibers[base + l].state : ST_DONE;
+                            len += snprintf(msg + len, sizeof msg - len, " for lane %d, which %s", l,
+                                            st == ST_BARRIER ? "waits at __syncthreads()"
+                                            : st == ST_DONE  ? "has returned"
+                                                             : "waits at another collective");
+                            break;
+                        }
+                }
+                shown++;
+            }
+            snprintf(msg + len, sizeof msg - len, "; %d of %d threads have returned", L.n_done, L.n);
+            scheduler_error("%s", msg);
+            return -1;
+        }
+    }
+}
+
+inline size_t stack_bytes() {
+    const char* env = getenv("VLLMINI_EMULATOR_STACK_KB");
+    size_t kb = env ? strtoull(env, nullptr, 10) : 0;
+#ifdef EMU_ASAN
+    if (kb == 0) kb = 1024;
+#else
+    if (kb == 0) kb = 256;
+#endif
+    return kb * 1024;
+}
+
+// ---- memory faults: turn SIGSEGV/SIGBUS during a launch into an error instead of a dead process
+inline sigjmp_buf fault_jump;
+inline void on_fault(int sig, siginfo_t* info, void*) {
+    char where[160] = "the launcher";
+    if (cur) describe_thread(where, sizeof where, self());
+    const char* addr = static_cast<const char*>(info->si_addr);
+    long page = sysconf(_SC_PAGESIZE);
+    bool overflow = false;
+    for (char* st : L.stacks) overflow |= addr >= st - page && addr < st;
+    if (overflow)
+        snprintf(error_message, sizeof error_message,
+                 "%s: stack overflow: the thread's local variables need more than the %zu KiB fiber stack "
+                 "(set VLLMINI_EMULATOR_STACK_KB to more)", where, L.stack_size / 1024);
+    else
+        snprintf(error_message, sizeof error_message,
+                 "%s: %s at address %p: the kernel touched memory it does not own (an index out of bounds?); "
+                 "run it with checked=True to find the line", where, sig == SIGBUS ? "bus error" : "segmentation fault",
+                 info->si_addr);
+    L.failed = 1;
+    siglongjmp(fault_jump, 1);
+}
+
+inline int run_grid(const unsigned int grid[3], int schedule, TlsRange shared) {
+    int rc = 0;
+    for (unsigned int z = 0; z < grid[2] && rc == 0; ++z)
+        for (unsigned int y = 0; y < grid[1] && rc == 0; ++y)
+            for (unsigned int x = 0; x < grid[0] && rc == 0; ++x) {
+                block_idx = uint3{x, y, z};
+                rc = run_block(schedule, shared);
+            }
+    return rc;
+}
+
+inline int launch(void (*entry)(void**), void** args, const unsigned int grid[3], const unsigned int block[3],
+                  int schedule, unsigned long long seed) {
+    L.failed = 0;
+    error_message[0] = 0;
+    L.entry = entry;
+    L.args = args;
+    L.n = static_cast<int>(block[0] * block[1] * block[2]);
+    grid_dim = dim3(grid[0], grid[1], grid[2]);
+    block_dim = dim3(block[0], block[1], block[2]);
+    if (L.stack_size == 0) L.stack_size = stack_bytes();
+    long page = sysconf(_SC_PAGESIZE);
+    while (static_cast<int>(L.stacks.size()) < L.n) {  // stacks are kept for later launches
+        size_t total = L.stack_size + page;
+        void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED) { snprintf(error_message, sizeof error_message, "out of memory for thread stacks"); return -1; }
+        mprotect(p, page, PROT_NONE);  // guard page: a stack overflow faults instead of corrupting memory
+        L.stacks.push_back(static_cast<char*>(p) + page);
+    }
+    L.fibers.assign(L.n, Fiber());
+    L.order.resize(L.n);
+    for (int i = 0; i < L.n; ++i) {
+        Fiber& f = L.fibers[i];
+        f.lin = i;
+        f.tid = uint3{i % block[0], (i / block[0]) % block[1], i / (block[0] * block[1])};
+        L.order[i] = schedule == 1 ? L.n - 1 - i : i;
+    }
+    L.rng = seed;
+    TlsRange shared = shared_memory_range();
+#ifdef EMU_ASAN
+    int rc = run_grid(grid, schedule, shared);
+#else
+    static char alt_stack[1 << 16];
+    stack_t ss{}, old_ss{};
+    ss.ss_sp = alt_stack;
+    ss.ss_size = sizeof alt_stack;
+    sigaltstack(&ss, &old_ss);
+    struct sigaction sa{}, old_segv{}, old_bus{};
+    sa.sa_sigaction = on_fault;
+    sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGSEGV, &sa, &old_segv);
+    sigaction(SIGBUS, &sa, &old_bus);
+    volatile int rc = -1;
+    if (sigsetjmp(fault_jump, 1) == 0) rc = run_grid(grid, schedule, shared);
+    sigaction(SIGSEGV, &old_segv, nullptr);
+    sigaction(SIGBUS, &old_bus, nullptr);
+    sigaltstack(&old_ss, nullptr);
+#endif
+    cur = nullptr;
+    return rc;
+}
+
+// How arguments are described to Python: one code per parameter, e.g. "Pcf4" = pointer to const float,
+// "Si4" = 4-byte signed integer scalar. Kinds: f float, i signed int, u unsigned int, h __half,
+// b __nv_bfloat16, B bool, c char, v void, s other struct; vector types add "x<lanes>".
+template <class T> struct Code {
+    static void put(char* o) {
+        if constexpr (std::is_void_v<T>) strcpy(o, "v0");
+        else if constexpr (std::is_same_v<T, bool>) strcpy(o, "B1");
+        else if constexpr (std::is_same_v<T, char>) strcpy(o, "c1");
+        else if constexpr (std::is_floating_point_v<T>) sprintf(o, "f%d", (int)sizeof(T));
+        else if constexpr (std::is_integral_v<T> && std::is_signed_v<T>) sprintf(o, "i%d", (int)sizeof(T));
+        else if constexpr (std::is_integral_v<T>) sprintf(o, "u%d", (int)sizeof(T));
+        else if constexpr (std::is_enum_v<T>) sprintf(o, "i%d", (int)sizeof(T));
+        else if constexpr (std::is_same_v<T, __half>) strcpy(o, "h2");
+        else if constexpr (std::is_same_v<T, __nv_bfloat16>) strcpy(o, "b2");
+        else if constexpr (std::is_same_v<T, __half2>) strcpy(o, "h2x2");
+        else if constexpr (std::is_same_v<T, __nv_bfloat162>) strcpy(o, "b2x2");
+        else if constexpr (std::is_same_v<T, float2>) strcpy(o, "f4x2");
+        else if constexpr (std::is_same_v<T, float4>) strcpy(o, "f4x4");
+        else if constexpr (std::is_same_v<T, int2>) strcpy(o, "i4x2");
+        else if constexpr (std::is_same_v<T, int4>) strcpy(o, "i4x4");
+        else if constexpr (std::is_same_v<T, uint2>) strcpy(o, "u4x2");
+        else if constexpr (std::is_same_v<T, uint4>) strcpy(o, "u4x4");
+        else if constexpr (std::is_same_v<T, double2>) strcpy(o, "f8x2");
+        else sprintf(o, "s%d", (int)sizeof(T));
+    }
+};
+template <class T> inline void param_code(std::string& out) {
+    char buf[32];
+    if constexpr (std::is_pointer_v<T>) {
+        using E = std::remove_pointer_t<T>;
+        if constexpr (std::is_pointer_v<E>) {
+            out += "X;";
+            return;
+        } else {
+            out += std::is_const_v<E> ? "Pc" : "Pm";
+            Code<std::remove_cv_t<E>>::put(buf);
+        }
+    } else {
+        out += "S";
+        Code<std::remove_cv_t<T>>::put(buf);
+    }
+    out += buf;
+    out += ";";
+}
+template <class... A> inline std::string signature(void (*)(A...)) {
+    std::string s;
+    (param_code<A>(s), ...);
+    return s;
+}
+template <class... A, size_t... I>
+inline void invoke(void (*k)(A...), void** a, std::index_sequence<I...>) {
+    k(*static_cast<std::remove_cv_t<A>*>(a[I])...);
+}
+// Call kernel k with arguments a[i] (each a pointer to the value, as in cuLaunchKernel's kernelParams).
+template <class... A> inline void call(void (*k)(A...), void** a) { invoke(k, a, std::index_sequence_for<A...>()); }
+
+struct KernelEntry { const char* name; void (*entry)(void**); std::string (*signature)(); };
+
+}  // namespace __emu

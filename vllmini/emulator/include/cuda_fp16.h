@@ -1,0 +1,2 @@
+// cuda_fp16.h for the vllmini CPU emulator: everything lives in cuda_emu.h.
+#include "cuda_emu.h"

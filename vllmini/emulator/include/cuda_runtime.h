@@ -1,0 +1,2 @@
+// cuda_runtime.h for the vllmini CPU emulator: everything lives in cuda_emu.h.
+#include "cuda_emu.h"
