@@ -1,0 +1,477 @@
+"""Tests for vllmini.block_table: BlockTable (one page table) and BlockManager (many), plus a
+hypothesis state machine that drives many sequences and checks the whole pool after every step."""
+
+import pytest
+import torch
+from hypothesis import assume
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from vllmini import BlockAllocator, BlockManager, BlockTable, OutOfBlocksError, VllminiError
+
+
+def table_state(t: BlockTable):
+    a = t.allocator
+    return (
+        t.block_ids,
+        t.num_tokens,
+        list(t.pending_copies),
+        a.free_block_ids,
+        [a.ref_count(b) for b in range(a.num_blocks)],
+    )
+
+
+def manager_state(m: BlockManager):
+    a = m.allocator
+    tables = {
+        s: (m.block_table(s).block_ids, m.seq_len(s), list(m.block_table(s).pending_copies))
+        for s in m.seq_ids
+    }
+    return tables, a.free_block_ids, [a.ref_count(b) for b in range(a.num_blocks)]
+
+
+# ==== BlockTable
+
+
+def test_new_table_is_empty():
+    t = BlockTable(BlockAllocator(4), 4)
+    assert t.block_size == 4
+    assert (t.block_ids, t.num_tokens, t.num_blocks, t.pending_copies) == ([], 0, 0, [])
+    assert t.slot_mapping() == []
+    assert "num_tokens=0" in repr(t)
+
+
+@pytest.mark.parametrize("bs, err", [(0, ValueError), (-2, ValueError), (2.0, TypeError), ("4", TypeError)])
+def test_table_rejects_bad_block_size(bs, err):
+    with pytest.raises(err, match="block_size"):
+        BlockTable(BlockAllocator(2), bs)
+
+
+def test_table_needs_an_allocator():
+    with pytest.raises(TypeError, match="BlockAllocator"):
+        BlockTable(8, 4)
+
+
+def test_append_allocates_only_when_last_block_is_full():
+    a = BlockAllocator(8)
+    t = BlockTable(a, 4)
+    assert t.num_new_blocks(0) == 0
+    assert t.num_new_blocks(1) == 1
+    assert t.num_new_blocks(5) == 2
+    assert t.append_tokens(3) == [0, 1, 2]
+    assert t.block_ids == [0] and a.num_free_blocks == 7
+    assert t.num_new_blocks(1) == 0
+    assert t.append_tokens() == [3]  # fills block 0: no new block
+    assert a.num_free_blocks == 7
+    assert t.num_new_blocks(1) == 1
+    assert t.append_tokens(1) == [4]  # block 0 full: take block 1
+    assert t.block_ids == [0, 1] and t.num_tokens == 5 and t.num_blocks == 2
+    assert t.append_tokens(0) == []
+
+
+def test_slots_follow_non_contiguous_blocks():
+    a = BlockAllocator(6)
+    other = BlockTable(a, 4)
+    t = BlockTable(a, 4)
+    other.append_tokens(4)  # block 0
+    t.append_tokens(2)  # block 1
+    other.append_tokens(4)  # block 2
+    t.append_tokens(5)  # fills block 1, then block 3
+    assert t.block_ids == [1, 3]
+    assert t.slot_mapping() == [4, 5, 6, 7, 12, 13, 14]
+    assert [t.slot(i) for i in range(7)] == t.slot_mapping()
+    assert t.slot(5) == 3 * 4 + 1
+    assert t.slot_mapping(2, 5) == [6, 7, 12]
+    assert t.slot_mapping(3, 3) == []
+    assert t.slot_mapping(6) == [14]
+
+
+def test_block_ids_is_a_copy():
+    t = BlockTable(BlockAllocator(4), 2)
+    t.append_tokens(3)
+    ids = t.block_ids
+    ids.append(99)
+    assert t.block_ids == [0, 1]
+
+
+@pytest.mark.parametrize("i", [-1, 5, 100])
+def test_slot_out_of_range_raises_index_error(i):
+    t = BlockTable(BlockAllocator(4), 4)
+    t.append_tokens(5)
+    with pytest.raises(IndexError, match=f"token_index {i}"):
+        t.slot(i)
+
+
+@pytest.mark.parametrize("start, end", [(-1, 2), (3, 2), (0, 6), (6, None)])
+def test_slot_mapping_bad_range_raises(start, end):
+    t = BlockTable(BlockAllocator(4), 4)
+    t.append_tokens(5)
+    with pytest.raises(IndexError, match="start"):
+        t.slot_mapping(start, end)
+
+
+@pytest.mark.parametrize("n, err", [(-1, ValueError), (1.5, TypeError), ("2", TypeError)])
+def test_bad_token_counts_raise_and_change_nothing(n, err):
+    t = BlockTable(BlockAllocator(4), 4)
+    t.append_tokens(2)
+    before = table_state(t)
+    with pytest.raises(err, match="num_tokens"):
+        t.append_tokens(n)
+    with pytest.raises(err, match="num_tokens"):
+        t.num_new_blocks(n)
+    assert table_state(t) == before
+
+
+def test_append_out_of_blocks_is_all_or_nothing():
+    a = BlockAllocator(3)
+    t = BlockTable(a, 4)
+    t.append_tokens(6)  # blocks 0, 1; 2 slots left in block 1
+    before = table_state(t)
+    with pytest.raises(OutOfBlocksError, match="needs 2 new blocks, but only 1 are free"):
+        t.append_tokens(7)  # would need blocks for tokens 8..12: two more
+    assert table_state(t) == before
+    assert t.append_tokens(6) == [6, 7, 8, 9, 10, 11]  # exactly fits
+    assert a.num_free_blocks == 0
+
+
+def test_fork_shares_every_block():
+    a = BlockAllocator(6)
+    t = BlockTable(a, 4)
+    t.append_tokens(6)
+    child = t.fork()
+    assert child is not t and child.allocator is a and child.block_size == 4
+    assert child.block_ids == t.block_ids == [0, 1]
+    assert child.num_tokens == 6 and child.pending_copies == []
+    assert a.ref_count(0) == a.ref_count(1) == 2
+    assert child.slot_mapping() == t.slot_mapping()
+
+
+def test_append_to_shared_partial_block_copies_on_write():
+    a = BlockAllocator(6)
+    parent = BlockTable(a, 4)
+    parent.append_tokens(6)  # [0, 1], block 1 half full
+    child = parent.fork()
+    assert child.num_new_blocks(1) == 1  # the copy
+    assert child.num_new_blocks(3) == 2  # the copy and one more block
+    slots = child.append_tokens(1)
+    assert child.block_ids == [0, 2]  # block 0 still shared (full), block 1 copied into 2
+    assert child.pending_copies == [(1, 2)]
+    assert slots == [2 * 4 + 2]
+    assert (a.ref_count(0), a.ref_count(1), a.ref_count(2)) == (2, 1, 1)
+    # the parent now owns block 1 alone: it writes in place, no copy
+    assert parent.num_new_blocks(1) == 0
+    assert parent.append_tokens(1) == [6]
+    assert parent.pending_copies == []
+
+
+def test_append_after_full_shared_block_needs_no_copy():
+    a = BlockAllocator(4)
+    parent = BlockTable(a, 2)
+    parent.append_tokens(4)  # two full blocks
+    child = parent.fork()
+    assert child.append_tokens(1) == [4]  # fresh block 2, shared blocks untouched
+    assert child.pending_copies == [] and child.block_ids == [0, 1, 2]
+
+
+def test_copy_on_write_out_of_blocks_changes_nothing():
+    a = BlockAllocator(2)
+    parent = BlockTable(a, 4)
+    parent.append_tokens(5)
+    child = parent.fork()
+    before = table_state(child), table_state(parent)
+    with pytest.raises(OutOfBlocksError):
+        child.append_tokens(1)
+    assert (table_state(child), table_state(parent)) == before
+
+
+def test_free_returns_every_block_and_empties_table():
+    a = BlockAllocator(4)
+    t = BlockTable(a, 2)
+    t.append_tokens(5)
+    t.free()
+    assert (t.block_ids, t.num_tokens, t.num_blocks) == ([], 0, 0)
+    assert a.num_free_blocks == 4
+    assert a.free_block_ids[:3] == (0, 1, 2)  # freed last block first: the table's first block is next
+    t.free()  # freeing an empty table is fine
+    assert a.num_free_blocks == 4
+
+
+def test_free_of_a_fork_keeps_shared_blocks_alive():
+    a = BlockAllocator(4)
+    parent = BlockTable(a, 2)
+    parent.append_tokens(3)
+    child = parent.fork()
+    child.append_tokens(1)  # copy-on-write of block 1 into block 2
+    child.free()
+    assert child.pending_copies == []  # never copy into a block that went back to the pool
+    assert parent.block_ids == [0, 1]
+    assert [a.ref_count(b) for b in range(4)] == [1, 1, 0, 0]
+
+
+# ==== BlockManager
+
+
+def test_manager_basics():
+    m = BlockManager(8, 4)
+    assert (m.num_blocks, m.block_size, m.num_free_blocks, m.seq_ids) == (8, 4, 8, [])
+    assert isinstance(m.allocator, BlockAllocator)
+    assert m.allocate("a", 5) == [0, 1, 2, 3, 4]
+    assert m.allocate("b", 2) == [8, 9]
+    assert m.seq_ids == ["a", "b"] and len(m) == 2 and "a" in m and "c" not in m
+    assert m.seq_len("a") == 5 and m.num_free_blocks == 5
+    assert m.block_table("a").block_ids == [0, 1]
+    assert m.append("a", 4) == [5, 6, 7, 12]
+    assert m.slot_mapping("a", 3, 6) == [3, 4, 5]
+    assert m.slot_mapping("b") == [8, 9]
+    assert "num_seqs=2" in repr(m)
+
+
+@pytest.mark.parametrize(
+    "args, err",
+    [((0, 4), ValueError), ((4, 0), ValueError), ((4, 4, -1), ValueError), ((4, 4, 4), ValueError),
+     ((4.0, 4), TypeError), ((4, 4, 1.0), TypeError)],
+)  # fmt: skip
+def test_manager_rejects_bad_arguments(args, err):
+    with pytest.raises(err):
+        BlockManager(*args)
+
+
+def test_can_allocate_respects_the_watermark():
+    m = BlockManager(8, 4, watermark_blocks=2)
+    assert m.watermark_blocks == 2
+    assert m.can_allocate(24)  # 6 blocks, 2 left
+    assert not m.can_allocate(25)  # 7 blocks, 1 left < watermark
+    before = manager_state(m)
+    with pytest.raises(OutOfBlocksError, match="watermark"):
+        m.allocate(0, 25)
+    assert manager_state(m) == before
+    m.allocate(0, 24)
+    assert m.can_append(0, 8)  # running sequences may dip below the watermark
+    m.append(0, 8)
+    assert m.num_free_blocks == 0
+    assert not m.can_append(0, 1)
+    assert not m.can_allocate(0)  # below the watermark: no new sequence, not even an empty one
+    with pytest.raises(ValueError, match="num_tokens"):
+        m.can_allocate(-1)
+
+
+def test_allocate_twice_and_unknown_ids_raise():
+    m = BlockManager(4, 2)
+    m.allocate(1, 3)
+    before = manager_state(m)
+    with pytest.raises(VllminiError, match="seq_id 1 already exists"):
+        m.allocate(1, 1)
+    for call in (
+        lambda: m.append(7),
+        lambda: m.can_append(7),
+        lambda: m.free(7),
+        lambda: m.fork(7, 8),
+        lambda: m.block_table(7),
+        lambda: m.seq_len(7),
+        lambda: m.slot_mapping(7),
+        lambda: m.build_block_tables([1, 7]),
+    ):
+        with pytest.raises(VllminiError, match="unknown seq_id 7"):
+            call()
+    with pytest.raises(VllminiError, match="seq_id 1 already exists"):
+        m.fork(1, 1)
+    assert manager_state(m) == before
+
+
+def test_manager_append_out_of_blocks_changes_nothing():
+    m = BlockManager(2, 2)
+    m.allocate(0, 3)
+    before = manager_state(m)
+    assert not m.can_append(0, 2)
+    with pytest.raises(OutOfBlocksError):
+        m.append(0, 2)
+    assert manager_state(m) == before
+
+
+def test_manager_fork_free_and_pending_copies():
+    m = BlockManager(6, 4)
+    m.allocate("p", 6)
+    m.fork("p", "c")
+    assert m.block_table("c").block_ids == m.block_table("p").block_ids == [0, 1]
+    assert m.can_append("c", 1)
+    assert m.append("c", 1) == [10]
+    assert m.take_pending_copies() == [(1, 2)]
+    assert m.take_pending_copies() == []
+    m.free("p")
+    assert m.seq_ids == ["c"]
+    assert [m.allocator.ref_count(b) for b in range(3)] == [1, 0, 1]
+    m.free("c")
+    assert m.num_free_blocks == 6 and m.seq_ids == []
+
+
+def test_build_block_tables_pads_with_minus_one():
+    m = BlockManager(8, 2)
+    m.allocate(0, 5)  # blocks 0, 1, 2
+    m.allocate(1, 1)  # block 3
+    m.allocate(2, 0)  # no block
+    bt, lens = m.build_block_tables([1, 0, 2])
+    assert bt.dtype == torch.int32 and lens.dtype == torch.int32
+    assert bt.tolist() == [[3, -1, -1], [0, 1, 2], [-1, -1, -1]]
+    assert lens.tolist() == [1, 5, 0]
+    bt, lens = m.build_block_tables([1], device="cpu")
+    assert bt.tolist() == [[3]] and bt.device.type == "cpu"
+    bt, lens = m.build_block_tables([])
+    assert bt.shape == (0, 0) and lens.shape == (0,)
+    bt, lens = m.build_block_tables(iter([2]))
+    assert bt.shape == (1, 0) and lens.tolist() == [0]
+
+
+def test_utilization():
+    m = BlockManager(8, 4)
+    u = m.utilization()
+    assert u == {
+        "num_tokens": 0,
+        "allocated_slots": 0,
+        "pool_slots": 32,
+        "used_blocks": 0,
+        "free_blocks": 8,
+        "token_utilization": 1.0,
+        "pool_utilization": 0.0,
+    }
+    m.allocate(0, 5)
+    m.allocate(1, 4)
+    u = m.utilization()
+    assert (u["num_tokens"], u["allocated_slots"], u["used_blocks"], u["free_blocks"]) == (9, 12, 3, 5)
+    assert u["token_utilization"] == 9 / 12 and u["pool_utilization"] == 9 / 32
+    m.fork(0, 2)  # shared blocks hold their tokens once
+    assert m.utilization()["num_tokens"] == 9
+    m.append(2, 1)  # copy-on-write: the copy holds 2 tokens (1 copied + 1 new), the original keeps 1
+    u = m.utilization()
+    assert (u["num_tokens"], u["used_blocks"]) == (11, 4)
+
+
+# ==== the state machine: many sequences, random allocate / append / fork / free
+
+
+class ManySequences(RuleBasedStateMachine):
+    """Drives a BlockManager and a fake KV cache (slot -> token). After every step the pool must be
+    consistent, and reading every sequence's slots must give back exactly its own tokens."""
+
+    @initialize(num_blocks=st.integers(1, 12), block_size=st.integers(1, 5), data=st.data())
+    def setup(self, num_blocks, block_size, data):
+        watermark = data.draw(st.integers(0, min(2, num_blocks - 1)))
+        self.m = BlockManager(num_blocks, block_size, watermark_blocks=watermark)
+        self.cache = {}  # slot -> token value (what a real cache would hold)
+        self.tokens = {}  # seq_id -> the token values it should read back
+        self.next_id = 0
+        self.next_token = 0
+
+    def _write(self, seq_id, slots):
+        for src, dst in self.m.take_pending_copies():  # the cache owner's job: copy before writing
+            bs = self.m.block_size
+            for off in range(bs):
+                if src * bs + off in self.cache:
+                    self.cache[dst * bs + off] = self.cache[src * bs + off]
+        for slot in slots:
+            self.cache[slot] = self.next_token
+            self.tokens[seq_id].append(self.next_token)
+            self.next_token += 1
+
+    @rule(num_tokens=st.integers(0, 14))
+    def allocate(self, num_tokens):
+        seq_id, before = self.next_id, manager_state(self.m)
+        if self.m.can_allocate(num_tokens):
+            slots = self.m.allocate(seq_id, num_tokens)
+            assert len(slots) == num_tokens
+            self.tokens[seq_id] = []
+            self._write(seq_id, slots)
+            self.next_id += 1
+        else:
+            with pytest.raises(OutOfBlocksError):
+                self.m.allocate(seq_id, num_tokens)
+            assert manager_state(self.m) == before
+
+    @precondition(lambda self: len(self.m) > 0)
+    @rule(data=st.data(), num_tokens=st.integers(1, 9))
+    def append(self, data, num_tokens):
+        seq_id = data.draw(st.sampled_from(self.m.seq_ids))
+        before = manager_state(self.m)
+        if self.m.can_append(seq_id, num_tokens):
+            n = self.m.seq_len(seq_id)
+            slots = self.m.append(seq_id, num_tokens)
+            assert slots == self.m.slot_mapping(seq_id, n)
+            self._write(seq_id, slots)
+        else:
+            with pytest.raises(OutOfBlocksError):
+                self.m.append(seq_id, num_tokens)
+            assert manager_state(self.m) == before
+
+    @precondition(lambda self: len(self.m) > 0)
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(self.m.seq_ids))
+        self.m.fork(parent, self.next_id)
+        self.tokens[self.next_id] = list(self.tokens[parent])
+        self.next_id += 1
+
+    @precondition(lambda self: len(self.m) > 0)
+    @rule(data=st.data())
+    def free(self, data):
+        seq_id = data.draw(st.sampled_from(self.m.seq_ids))
+        self.m.free(seq_id)
+        del self.tokens[seq_id]
+
+    @rule()
+    def free_all(self):
+        assume(len(self.m) > 0)
+        for seq_id in self.m.seq_ids:
+            self.m.free(seq_id)
+        self.tokens.clear()
+        assert self.m.num_free_blocks == self.m.num_blocks
+        assert all(self.m.allocator.ref_count(b) == 0 for b in range(self.m.num_blocks))
+
+    @invariant()
+    def pool_is_consistent(self):
+        m, a, bs = self.m, self.m.allocator, self.m.block_size
+        owners = {}
+        for s in m.seq_ids:
+            t = m.block_table(s)
+            ids = t.block_ids
+            assert len(set(ids)) == len(ids)  # a sequence never holds a block twice
+            assert len(ids) == -(-t.num_tokens // bs)  # no more blocks than needed
+            for b in ids:
+                owners[b] = owners.get(b, 0) + 1
+        free = a.free_block_ids
+        assert len(set(free)) == len(free)
+        assert set(free).isdisjoint(owners)  # an owned block is never on the free list
+        assert len(free) + len(owners) == m.num_blocks  # free + used = pool
+        for b in range(m.num_blocks):
+            assert a.ref_count(b) == owners.get(b, 0)  # ref counts match owners
+
+    @invariant()
+    def slots_agree_with_tables(self):
+        m, bs = self.m, self.m.block_size
+        for s in m.seq_ids:
+            t = m.block_table(s)
+            expect = [t.block_ids[i // bs] * bs + i % bs for i in range(t.num_tokens)]
+            assert t.slot_mapping() == expect == [t.slot(i) for i in range(t.num_tokens)]
+        if m.seq_ids:
+            bt, lens = m.build_block_tables(m.seq_ids)
+            assert bt.dtype == lens.dtype == torch.int32
+            for row, s in enumerate(m.seq_ids):
+                ids = m.block_table(s).block_ids
+                assert bt[row, : len(ids)].tolist() == ids
+                assert (bt[row, len(ids) :] == -1).all()
+                assert lens[row].item() == m.seq_len(s)
+
+    @invariant()
+    def every_sequence_reads_its_own_tokens(self):
+        # forked sequences share blocks; copy-on-write must keep each one's tokens intact
+        for s in self.m.seq_ids:
+            assert [self.cache[slot] for slot in self.m.slot_mapping(s)] == self.tokens[s]
+
+    def teardown(self):
+        if not hasattr(self, "m"):
+            return
+        for s in self.m.seq_ids:
+            self.m.free(s)
+        assert self.m.num_free_blocks == self.m.num_blocks  # everything returns to the pool
+        assert self.m.utilization()["used_blocks"] == 0
+
+
+TestManySequences = ManySequences.TestCase

@@ -1,0 +1,287 @@
+"""Page tables: where each sequence's tokens live in the paged KV cache.
+
+A `BlockTable` is one sequence's page table. Its logical block i (tokens i*block_size ..
+(i+1)*block_size - 1) lives in physical block `block_ids[i]`, so token t is stored at slot
+
+    slot(t) = block_ids[t // block_size] * block_size + t % block_size
+
+in a cache laid out as [num_blocks, block_size, ...]. Appending tokens allocates a new block only when
+the last one is full. A `BlockManager` keeps one table per sequence over a shared `BlockAllocator`,
+answers "does this request fit?", and builds the padded `block_tables` / `seq_lens` tensors that
+paged attention reads (vLLM's names; older vLLM called `seq_lens` `context_lens`).
+
+Forked sequences share blocks (reference counts). Writing into a shared, partly filled last block
+would clobber the other owner's tokens, so `append_tokens` first gives the sequence a private copy
+(copy-on-write) and records (src_block, dst_block) in `pending_copies` for the KV-cache owner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+from typing import TYPE_CHECKING
+
+from vllmini.allocator import BlockAllocator, _as_int
+from vllmini.errors import OutOfBlocksError, VllminiError
+
+if TYPE_CHECKING:
+    import torch
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _check_count(num_tokens, name: str = "num_tokens") -> int:
+    num_tokens = _as_int(num_tokens, name)
+    if num_tokens < 0:
+        raise ValueError(f"{name} must be >= 0, got {num_tokens}")
+    return num_tokens
+
+
+class BlockTable:
+    """One sequence's page table: logical block i -> physical block id."""
+
+    def __init__(self, allocator: BlockAllocator, block_size: int):
+        if not isinstance(allocator, BlockAllocator):
+            raise TypeError(f"allocator must be a BlockAllocator, got {type(allocator).__name__}")
+        block_size = _as_int(block_size, "block_size")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.allocator = allocator
+        self.block_size = block_size
+        self._block_ids: list[int] = []
+        self._num_tokens = 0
+        self.pending_copies: list[tuple[int, int]] = []  # (src_block, dst_block) copy-on-write jobs
+
+    @property
+    def block_ids(self) -> list[int]:
+        """A copy of the table: element i is the physical block of logical block i."""
+        return list(self._block_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self._num_tokens
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._block_ids)
+
+    def _needs_copy(self, num_tokens: int) -> bool:
+        """Would writing `num_tokens` more tokens land in a shared, partly filled last block?"""
+        if num_tokens == 0 or self._num_tokens % self.block_size == 0:
+            return False  # nothing to write, or the last block is full (new tokens go to a new block)
+        return self.allocator.ref_count(self._block_ids[-1]) > 1
+
+    def num_new_blocks(self, num_tokens: int) -> int:
+        """How many blocks `append_tokens(num_tokens)` would allocate (copy-on-write included)."""
+        num_tokens = _check_count(num_tokens)
+        grow = _cdiv(self._num_tokens + num_tokens, self.block_size) - len(self._block_ids)
+        return grow + int(self._needs_copy(num_tokens))
+
+    def append_tokens(self, num_tokens: int = 1) -> list[int]:
+        """Make room for `num_tokens` more tokens and return their slots. All-or-nothing."""
+        needed = self.num_new_blocks(num_tokens)
+        free = self.allocator.num_free_blocks
+        if needed > free:
+            raise OutOfBlocksError(
+                f"appending {num_tokens} tokens needs {needed} new blocks, but only {free} are free"
+            )
+        if self._needs_copy(num_tokens):
+            src = self._block_ids[-1]
+            dst = self.allocator.allocate()
+            self.allocator.free(src)  # drop our reference; the other owners keep theirs
+            self._block_ids[-1] = dst
+            self.pending_copies.append((src, dst))
+        while len(self._block_ids) < _cdiv(self._num_tokens + num_tokens, self.block_size):
+            self._block_ids.append(self.allocator.allocate())
+        start = self._num_tokens
+        self._num_tokens += num_tokens
+        return self.slot_mapping(start, self._num_tokens)
+
+    def slot(self, token_index: int) -> int:
+        """The physical slot (block_id * block_size + offset) that holds token `token_index`."""
+        token_index = _as_int(token_index, "token_index")
+        if not 0 <= token_index < self._num_tokens:
+            raise IndexError(f"token_index {token_index} out of range: the sequence has {self._num_tokens}")
+        block, offset = divmod(token_index, self.block_size)
+        return self._block_ids[block] * self.block_size + offset
+
+    def slot_mapping(self, start: int = 0, end: int | None = None) -> list[int]:
+        """Slots of tokens start..end-1 (default: the whole sequence)."""
+        start = _as_int(start, "start")
+        end = self._num_tokens if end is None else _as_int(end, "end")
+        if not 0 <= start <= end <= self._num_tokens:
+            raise IndexError(f"need 0 <= start <= end <= {self._num_tokens}, got start={start}, end={end}")
+        bs = self.block_size
+        return [self._block_ids[t // bs] * bs + t % bs for t in range(start, end)]
+
+    def fork(self) -> BlockTable:
+        """A child table sharing every block of this one (same allocator; ref counts go up)."""
+        child = BlockTable(self.allocator, self.block_size)
+        child._block_ids = self.allocator.fork(self._block_ids)
+        child._num_tokens = self._num_tokens
+        return child
+
+    def free(self) -> None:
+        """Give every block back (last logical block first) and empty the table."""
+        for block_id in reversed(self._block_ids):
+            self.allocator.free(block_id)
+        self._block_ids = []
+        self._num_tokens = 0
+        self.pending_copies = []  # their destination blocks are gone: never copy into them
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockTable(num_tokens={self._num_tokens}, block_size={self.block_size}, "
+            f"block_ids={self._block_ids})"
+        )
+
+
+class BlockManager:
+    """Page tables for many sequences over one shared block pool."""
+
+    def __init__(self, num_blocks: int, block_size: int, watermark_blocks: int = 0):
+        self.allocator = BlockAllocator(num_blocks)
+        block_size = _as_int(block_size, "block_size")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        watermark_blocks = _as_int(watermark_blocks, "watermark_blocks")
+        if not 0 <= watermark_blocks < self.allocator.num_blocks:
+            raise ValueError(f"watermark_blocks must be in [0, {num_blocks}), got {watermark_blocks}")
+        self.block_size = block_size
+        # new sequences must leave this many blocks free, so running sequences can still grow
+        self.watermark_blocks = watermark_blocks
+        self._tables: dict[Hashable, BlockTable] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free_blocks
+
+    @property
+    def seq_ids(self) -> list:
+        return list(self._tables)
+
+    def __contains__(self, seq_id) -> bool:
+        return seq_id in self._tables
+
+    def __len__(self) -> int:
+        return len(self._tables)
+
+    def block_table(self, seq_id) -> BlockTable:
+        """The live page table of `seq_id`."""
+        try:
+            return self._tables[seq_id]
+        except (KeyError, TypeError):
+            raise VllminiError(f"unknown seq_id {seq_id!r}; known: {self.seq_ids}") from None
+
+    def seq_len(self, seq_id) -> int:
+        return self.block_table(seq_id).num_tokens
+
+    def slot_mapping(self, seq_id, start: int = 0, end: int | None = None) -> list[int]:
+        return self.block_table(seq_id).slot_mapping(start, end)
+
+    # ----------------------------------------------------------------------------------------------
+    # admission and growth
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        """Does a new sequence of `num_tokens` tokens fit, leaving `watermark_blocks` free?"""
+        needed = _cdiv(_check_count(num_tokens), self.block_size)
+        return self.num_free_blocks - needed >= self.watermark_blocks
+
+    def allocate(self, seq_id: Hashable, num_tokens: int) -> list[int]:
+        """Start a sequence holding `num_tokens` tokens; returns their slots."""
+        if seq_id in self._tables:
+            raise VllminiError(f"seq_id {seq_id!r} already exists")
+        if not self.can_allocate(num_tokens):
+            needed = _cdiv(num_tokens, self.block_size)
+            raise OutOfBlocksError(
+                f"seq {seq_id!r} with {num_tokens} tokens needs {needed} blocks; {self.num_free_blocks} "
+                f"are free and {self.watermark_blocks} must stay free (watermark)"
+            )
+        table = BlockTable(self.allocator, self.block_size)
+        slots = table.append_tokens(num_tokens)
+        self._tables[seq_id] = table
+        return slots
+
+    def can_append(self, seq_id, num_tokens: int = 1) -> bool:
+        """Can `seq_id` grow by `num_tokens`? (The watermark does not apply to running sequences.)"""
+        return self.block_table(seq_id).num_new_blocks(num_tokens) <= self.num_free_blocks
+
+    def append(self, seq_id, num_tokens: int = 1) -> list[int]:
+        """Grow `seq_id` by `num_tokens` tokens; returns the new tokens' slots."""
+        return self.block_table(seq_id).append_tokens(num_tokens)
+
+    def fork(self, parent_id, child_id: Hashable) -> None:
+        """Start `child_id` as a copy of `parent_id` that shares all its blocks (e.g. parallel sampling)."""
+        parent = self.block_table(parent_id)
+        if child_id in self._tables:
+            raise VllminiError(f"seq_id {child_id!r} already exists")
+        self._tables[child_id] = parent.fork()
+
+    def free(self, seq_id) -> None:
+        """Finish `seq_id`: its blocks go back to the pool (shared ones once their last owner leaves)."""
+        self.block_table(seq_id).free()
+        del self._tables[seq_id]
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """Collect and clear every sequence's copy-on-write jobs, as (src_block, dst_block) pairs."""
+        pairs = []
+        for table in self._tables.values():
+            pairs.extend(table.pending_copies)
+            table.pending_copies = []
+        return pairs
+
+    # ----------------------------------------------------------------------------------------------
+    # what attention reads
+
+    def build_block_tables(
+        self, seq_ids: Iterable, device: torch.device | str | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The padded page tables and lengths of `seq_ids`, as paged attention consumes them.
+
+        block_tables: int32 [num_seqs, max_num_blocks_per_seq], -1 past each sequence's last block
+        seq_lens:     int32 [num_seqs]
+        """
+        import torch
+
+        tables = [self.block_table(s) for s in seq_ids]
+        width = max((t.num_blocks for t in tables), default=0)
+        rows = [t.block_ids + [-1] * (width - t.num_blocks) for t in tables]
+        block_tables = torch.tensor(rows, dtype=torch.int32, device=device).reshape(len(tables), width)
+        seq_lens = torch.tensor([t.num_tokens for t in tables], dtype=torch.int32, device=device)  # (S,)
+        return block_tables, seq_lens
+
+    def utilization(self) -> dict:
+        """How well the pool is used.
+
+        num_tokens counts the physical slots that hold a token (a block shared after a fork counts once);
+        allocated_slots = used_blocks * block_size; pool_slots = num_blocks * block_size.
+        """
+        filled: dict[int, int] = {}  # physical block -> tokens in it
+        for table in self._tables.values():
+            n, bs = table.num_tokens, self.block_size
+            for i, block_id in enumerate(table._block_ids):
+                filled[block_id] = max(filled.get(block_id, 0), min(bs, n - i * bs))
+        num_tokens = sum(filled.values())
+        used = self.allocator.num_used_blocks
+        allocated_slots = used * self.block_size
+        pool_slots = self.num_blocks * self.block_size
+        return {
+            "num_tokens": num_tokens,
+            "allocated_slots": allocated_slots,
+            "pool_slots": pool_slots,
+            "used_blocks": used,
+            "free_blocks": self.num_free_blocks,
+            "token_utilization": num_tokens / allocated_slots if allocated_slots else 1.0,
+            "pool_utilization": num_tokens / pool_slots,
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockManager(num_blocks={self.num_blocks}, block_size={self.block_size}, "
+            f"num_seqs={len(self._tables)}, num_free_blocks={self.num_free_blocks})"
+        )
