@@ -303,7 +303,7 @@ def _check_backend_name(backend) -> None:
 
 
 # dtypes the CUDA kernels take today; "auto" sends anything else to torch instead of failing
-KERNEL_DTYPES = (torch.float32,)
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype | None = None) -> str:

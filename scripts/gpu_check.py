@@ -1,0 +1,408 @@
+"""Run vllmini's GPU checks on a CUDA machine, in tiers that each fit one 10-minute command.
+
+    PYTHONPATH=. python scripts/gpu_check.py quick     # GPU tests, attention/kernel tests, GPU notebooks
+    PYTHONPATH=. python scripts/gpu_check.py sanitize  # compute-sanitizer memcheck and racecheck
+    PYTHONPATH=. python scripts/gpu_check.py bench     # bench_attention.py --preset h200, bench_engine.py
+    PYTHONPATH=. python scripts/gpu_check.py all       # all three (longer than 10 minutes)
+    python scripts/gpu_check.py pack                   # beforehand, with pip access: wheels into .whl/
+
+The GPU machine lacks hypothesis (the tests' conftest imports it). `pack` downloads pure-Python wheels of
+PACKED into .whl/ (git-ignored: carry it along); every command here puts .whl/*.whl on PYTHONPATH, and
+Python imports a pure-Python wheel straight from the zip.
+
+Run from the repository root. Needs torch with CUDA, CuPy, pytest and matplotlib; NOT jupyter, nbval or
+IPython: notebooks are executed by a small runner here (code cells in order, in one namespace, matplotlib
+Agg, stdout captured and compared with the stored stream outputs after notebooks/nbval_sanitize.cfg; cells
+marked NBVAL_IGNORE_OUTPUT run but are not compared, NBVAL_RAISES_EXCEPTION cells must raise, NBVAL_SKIP
+cells are skipped). Like nbval it compares text, not images; unlike nbval it does not compare display_data.
+Logs go to $OUT (default ./.gpu_out); a summary table (tier, item, status, seconds) ends the output and is
+saved as $OUT/summary.txt and $OUT/summary.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import configparser
+import contextlib
+import io
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+import types
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = Path(os.environ.get("OUT", ROOT / ".gpu_out")).resolve()
+TIER_BUDGET_S = 570  # each tier must finish inside one 10-minute command
+GPU_NOTEBOOKS = ("04", "05", "06")  # notebooks that use a GPU when there is one
+STUB_MODULES = ("ipywidgets", "IPython", "jupyter")  # not on the GPU machine
+# test dependencies the GPU machine lacks; hypothesis >= 6.150 ships a compiled module, 6.149 is pure Python
+PACKED = ("hypothesis>=6.100,<6.150", "sortedcontainers")
+WHEELS = ROOT / ".whl"
+
+results: list[dict] = []
+
+
+# ----------------------------------------------------------------------------- running items
+
+
+def _env(extra: dict | None = None) -> dict:
+    env = dict(os.environ, **(extra or {}))
+    packed = [str(p) for p in sorted(WHEELS.glob("*.whl"))]
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *packed, *filter(None, [env.get("PYTHONPATH")])])
+    env.setdefault("MPLBACKEND", "Agg")
+    return env
+
+
+def run_item(tier: str, item: str, cmd: list[str], timeout: float, deadline: float, ok_text=None, env=None):
+    """Run cmd with a timeout, log stdout+stderr to $OUT/<tier>_<item>.log, record pass/fail/timeout."""
+    timeout = min(timeout, deadline - time.time())
+    log = OUT / f"{tier}_{re.sub(r'[^A-Za-z0-9_.-]+', '_', item)}.log"
+    if timeout < 5:
+        results.append(dict(tier=tier, item=item, status="skipped (tier budget spent)", seconds=0.0, log=""))
+        return
+    start = time.time()
+    print(f"[{tier}] {item}: {' '.join(cmd)}", flush=True)
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=_env(env), capture_output=True, text=True, timeout=timeout)
+        output, code = proc.stdout + proc.stderr, proc.returncode
+        status = "pass" if code == 0 and (ok_text is None or ok_text in output) else f"FAIL (exit {code})"
+    except subprocess.TimeoutExpired as e:
+        output = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
+        status = f"TIMEOUT ({timeout:.0f} s)"
+    log.write_text(f"$ {' '.join(cmd)}\n{output}")
+    tail = [line for line in output.strip().splitlines() if line.strip()][-1:] or [""]
+    results.append(
+        dict(
+            tier=tier,
+            item=item,
+            status=status,
+            seconds=round(time.time() - start, 1),
+            log=log.name,
+            last_line=tail[0][:200],
+        )
+    )
+    print(f"    -> {status} in {time.time() - start:.1f} s ({tail[0][:150]})", flush=True)
+
+
+def record_skip(tier: str, item: str, why: str):
+    results.append(dict(tier=tier, item=item, status=f"skipped ({why})", seconds=0.0, log=""))
+    print(f"[{tier}] {item}: skipped ({why})", flush=True)
+
+
+# ----------------------------------------------------------------------------- tiers
+
+
+def tier_quick():
+    deadline = time.time() + TIER_BUDGET_S
+    py = sys.executable
+    run_item(
+        "quick",
+        "pytest -m gpu tests/",
+        [py, "-m", "pytest", "-m", "gpu", "tests", "-q", "-rs", "-p", "no:cacheprovider"],
+        300,
+        deadline,
+    )
+    cpu_tests = [t for t in ("tests/test_attention.py", "tests/test_kernels.py") if (ROOT / t).exists()]
+    run_item(
+        "quick",
+        "pytest (CPU) attention+kernels",
+        [py, "-m", "pytest", *cpu_tests, "-m", "not gpu", "-q", "-p", "no:cacheprovider"],
+        150,
+        deadline,
+    )
+    for prefix in GPU_NOTEBOOKS:
+        found = sorted((ROOT / "notebooks").glob(f"{prefix}_*.ipynb"))
+        if not found:
+            record_skip("quick", f"notebook {prefix}_*", "not present")
+        for nb in found:
+            run_item(
+                "quick",
+                f"notebook {nb.name}",
+                [py, str(Path(__file__).resolve()), "_notebook", str(nb)],
+                150,
+                deadline,
+                ok_text="NOTEBOOK OK",
+            )
+
+
+def tier_sanitize():
+    deadline = time.time() + TIER_BUDGET_S
+    candidates = [*Path("/usr/local").glob("cuda*/bin/compute-sanitizer")]
+    for site in sys.path:  # the nvidia-cuda-sanitizer-api wheel ships the binary too
+        candidates += Path(site).glob("nvidia/cuda_sanitizer_api/compute-sanitizer/compute-sanitizer")
+    sanitizer = shutil.which("compute-sanitizer") or next((str(p) for p in candidates if p.is_file()), None)
+    if sanitizer is None:
+        record_skip(
+            "sanitize", "compute-sanitizer", "compute-sanitizer not found on PATH or in /usr/local/cuda*"
+        )
+        return
+    driver = [sys.executable, str(Path(__file__).resolve()), "_kernel_driver"]
+    for tool in ("memcheck", "racecheck"):
+        cmd = [sanitizer, "--tool", tool, "--error-exitcode", "99", *driver]
+        if tool == "memcheck":
+            cmd[1:1] = ["--leak-check", "no"]
+        # without torch's caching allocator each tensor is its own cudaMalloc, so memcheck sees its end
+        env = {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}
+        run_item("sanitize", f"{tool} paged_attention_v1", cmd, 270, deadline, "KERNEL DRIVER OK", env)
+
+
+def tier_bench():
+    deadline = time.time() + TIER_BUDGET_S
+    py = sys.executable
+    bench = ROOT / "benchmarks" / "bench_attention.py"
+    if bench.exists():
+        run_item(
+            "bench", "bench_attention --preset h200", [py, str(bench), "--preset", "h200"], 420, deadline
+        )
+    else:
+        record_skip("bench", "bench_attention", "benchmarks/bench_attention.py not present")
+    engine = ROOT / "benchmarks" / "bench_engine.py"
+    if engine.exists():
+        run_item("bench", "bench_engine", [py, str(engine), "--device", "cuda"], 300, deadline)
+    else:
+        record_skip("bench", "bench_engine", "benchmarks/bench_engine.py not present")
+
+
+# ----------------------------------------------------------------------------- the kernel driver
+
+
+def kernel_driver(runtime: str = "cupy") -> int:
+    """A few small launches of paged_attention_v1 through CuPy, each checked against float64 (sanitizers).
+    runtime "emulator" runs the same on the CPU (to try the driver without a GPU)."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from attention_cases import assert_close, make_decode_case, reference_decode
+
+    from vllmini import cuda_kernels
+
+    cases = [  # (num_seqs, num_heads, num_kv_heads, head_size, block_size, seq_lens)
+        (3, 4, 4, 128, 16, (1, 17, 100)),
+        (2, 8, 2, 80, 8, (9, 33)),
+        (1, 4, 1, 256, 1, (5,)),
+    ]
+    for i, (params, dtype) in enumerate(
+        zip(cases, (torch.float32, torch.float16, torch.bfloat16), strict=True)
+    ):
+        case = make_decode_case(100 + i, *params, dtype=dtype, device="cuda" if runtime == "cupy" else "cpu")
+        out = torch.empty_like(case["query"])
+        args = [case[k] for k in ("query", "key_cache", "value_cache", "block_tables", "seq_lens")]
+        cuda_kernels.paged_attention_v1(*args, case["scale"], out, runtime=runtime)
+        if runtime == "cupy":
+            torch.cuda.synchronize()
+        assert_close(out, reference_decode(case))
+        print(f"case {params} {dtype}: ok", flush=True)
+    print("KERNEL DRIVER OK")
+    return 0
+
+
+# ----------------------------------------------------------------------------- the notebook runner
+
+
+def _sanitizers() -> list[tuple[re.Pattern, str]]:
+    cfg = configparser.ConfigParser(interpolation=None)
+    cfg.read(ROOT / "notebooks" / "nbval_sanitize.cfg")
+    return [(re.compile(cfg[s]["regex"]), cfg[s].get("replace", "")) for s in cfg.sections()]
+
+
+def _sanitize(text: str, rules) -> str:
+    for pattern, replace in rules:
+        text = pattern.sub(replace, text)
+    return text
+
+
+def _install_stubs() -> None:
+    """Let `from IPython.display import display` work without IPython: display() does nothing."""
+    try:
+        import IPython.display  # noqa: F401
+    except ImportError:
+        ipython = types.ModuleType("IPython")
+        disp = types.ModuleType("IPython.display")
+        disp.display = lambda *a, **k: None
+        disp.clear_output = lambda *a, **k: None
+        disp.HTML = disp.Markdown = disp.Image = lambda *a, **k: None
+        ipython.display = disp
+        sys.modules["IPython"], sys.modules["IPython.display"] = ipython, disp
+
+
+def _run_cell(source: str, ns: dict) -> tuple[str, str, object]:
+    """exec a cell like Jupyter: the last expression's value is returned (the execute_result)."""
+    lines = [ln for ln in source.splitlines() if not ln.lstrip().startswith(("%", "!"))]
+    tree = ast.parse("\n".join(lines))
+    last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+    out, err = io.StringIO(), io.StringIO()
+    value = None
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        exec(compile(tree, "<cell>", "exec"), ns)
+        if last is not None:
+            value = eval(compile(ast.Expression(last.value), "<cell>", "eval"), ns)
+    return out.getvalue(), err.getvalue(), value
+
+
+def run_notebook(path: Path) -> int:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    _install_stubs()
+    rules = _sanitizers()
+    nb = json.loads(path.read_text())
+    sys.path.insert(0, str(ROOT))
+    os.chdir(path.parent)  # notebooks run from notebooks/
+    ns: dict = {"__name__": "__main__", "display": lambda *a, **k: None}
+    failures, skipped, n = [], 0, 0
+    for index, cell in enumerate(nb["cells"]):
+        if cell["cell_type"] != "code":
+            continue
+        source = "".join(cell["source"])
+        n += 1
+        if "NBVAL_SKIP" in source:
+            continue
+        ignore, raises = "NBVAL_IGNORE_OUTPUT" in source, "NBVAL_RAISES_EXCEPTION" in source
+        start = time.time()
+        try:
+            stdout, stderr, value = _run_cell(source, ns)
+            error = None
+        except ModuleNotFoundError as e:
+            if e.name and e.name.split(".")[0] in STUB_MODULES:
+                print(f"cell {index}: skipped, needs {e.name} (not installed here)")
+                skipped += 1
+                continue
+            error = e
+        except BaseException as e:  # noqa: BLE001 - a notebook cell may raise anything
+            error = e
+        plt.close("all")
+        took = time.time() - start
+        if error is not None:
+            if raises:
+                print(f"cell {index}: raised {type(error).__name__} as expected ({took:.1f} s)")
+                continue
+            failures.append(f"cell {index}: {type(error).__name__}: {error}")
+            print(f"cell {index}: ERROR\n{''.join(traceback.format_exception(error))}")
+            continue
+        if raises:
+            failures.append(f"cell {index}: expected an exception (NBVAL_RAISES_EXCEPTION), none raised")
+            continue
+        if ignore:
+            print(f"cell {index}: ran, output not compared ({took:.1f} s)")
+            continue
+        want_out = "".join(
+            "".join(o["text"])
+            for o in cell["outputs"]
+            if o["output_type"] == "stream" and o["name"] == "stdout"
+        )
+        want_err = "".join(
+            "".join(o["text"])
+            for o in cell["outputs"]
+            if o["output_type"] == "stream" and o["name"] == "stderr"
+        )
+        results_ = [o for o in cell["outputs"] if o["output_type"] == "execute_result"]
+        failed_before = len(failures)
+        if _sanitize(stdout, rules) != _sanitize(want_out, rules):
+            failures.append(f"cell {index}: stdout differs\n--- stored\n{want_out}--- got\n{stdout}")
+        if _sanitize(stderr, rules).strip() != _sanitize(want_err, rules).strip():
+            print(
+                f"cell {index}: WARNING stderr differs (not failed)\n--- stored\n{want_err}--- got\n{stderr}"
+            )
+        if results_ and value is not None:
+            import pprint
+
+            want = _sanitize("".join(results_[0]["data"].get("text/plain", "")), rules)
+            got = {_sanitize(repr(value), rules), _sanitize(pprint.pformat(value, width=79), rules)}
+            if want not in got:
+                failures.append(f"cell {index}: result differs\n--- stored\n{want}\n--- got\n{repr(value)}")
+        print(f"cell {index}: {'ok' if len(failures) == failed_before else 'DIFF'} ({took:.1f} s)")
+    for f in failures:
+        print("FAILED", f)
+    print(f"{path.name}: {n} code cells, {len(failures)} failed, {skipped} skipped for missing modules")
+    if not failures:
+        print("NOTEBOOK OK")
+    return 1 if failures else 0
+
+
+# ----------------------------------------------------------------------------- packing test dependencies
+
+
+def pack() -> int:
+    """Download pure-Python wheels of PACKED into .whl/ (run where pip can reach the index). A pure-Python
+    wheel is a zip that Python imports from directly once it is on PYTHONPATH."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version",
+           "3.12", "-d", str(WHEELS), *PACKED]  # fmt: skip
+    print(" ".join(cmd))
+    return subprocess.run(cmd).returncode
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def write_env() -> None:
+    lines = [
+        f"date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
+        f"python: {sys.version.split()[0]}",
+        f"platform: {platform.platform()}",
+    ]
+    try:
+        import torch
+
+        lines.append(
+            f"torch: {torch.__version__} cuda {torch.version.cuda} | available {torch.cuda.is_available()}"
+        )
+        if torch.cuda.is_available():
+            lines.append(f"gpu: {torch.cuda.get_device_name(0)}")
+    except Exception as e:  # noqa: BLE001
+        lines.append(f"torch: {e!r}")
+    try:
+        import cupy
+
+        lines.append(f"cupy: {cupy.__version__} | runtime {cupy.cuda.runtime.runtimeGetVersion()}")
+    except Exception as e:  # noqa: BLE001
+        lines.append(f"cupy: {e!r}")
+    gxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    lines.append(f"c++ compiler (for vllmini.emulator): {gxx}")
+    (OUT / "env.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def summary() -> int:
+    rows = [("tier", "item", "status", "s")] + [
+        (r["tier"], r["item"], r["status"], f"{r['seconds']:.1f}") for r in results
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    text = "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
+    print("\n" + text)
+    (OUT / "summary.txt").write_text(text + "\n")
+    (OUT / "summary.json").write_text(json.dumps(results, indent=1) + "\n")
+    failed = [r for r in results if not (r["status"] == "pass" or r["status"].startswith("skipped"))]
+    print(f"\n{len(results) - len(failed)} of {len(results)} items passed or skipped; logs in {OUT}")
+    return 1 if failed else 0
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "_notebook":
+        return run_notebook(Path(sys.argv[2]).resolve())
+    if len(sys.argv) > 1 and sys.argv[1] == "pack":
+        return pack()
+    if len(sys.argv) > 1 and sys.argv[1] == "_kernel_driver":
+        return kernel_driver(*sys.argv[2:3])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("tier", choices=["quick", "sanitize", "bench", "all"])
+    args = parser.parse_args()
+    OUT.mkdir(parents=True, exist_ok=True)
+    write_env()
+    tiers = {"quick": tier_quick, "sanitize": tier_sanitize, "bench": tier_bench}
+    for name in tiers if args.tier == "all" else [args.tier]:
+        tiers[name]()
+    return summary()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,305 @@
+"""Tests for the CUDA kernels in kernels/ and their launcher, vllmini.cuda_kernels.
+
+1. every .cu file (the planted-bug ones in kernels/bugs/ too) compiles with NVRTC for every GPU
+   architecture learners have -- no GPU needed, so this runs in CI;
+2. every real kernel, run on the CPU through vllmini.emulator, matches the float64 reference on the
+   attention tests' hostile cases (NaN-poisoned pages, aliased blocks, junk padding);
+3. the same cases through CuPy on a GPU (marked gpu);
+4. inputs are validated before any launch; the emulator backend equals the torch backend.
+"""
+
+import os
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+from attention_cases import (
+    DECODE_GRID,
+    DECODE_GRID_SMALL,
+    assert_close,
+    case_id,
+    make_decode_case,
+    reference_decode,
+)
+
+from vllmini import cuda_kernels
+from vllmini.attention import paged_attention
+
+DECODE_KEYS = ("query", "key_cache", "value_cache", "block_tables", "seq_lens")
+KERNEL_FILES = cuda_kernels.kernel_files(include_bugs=True)
+REAL_KERNELS = cuda_kernels.kernel_files(include_bugs=False)
+
+
+def decode(case, backend):
+    return paged_attention(*(case[k] for k in DECODE_KEYS), case["scale"], backend=backend)
+
+
+def launch(case, runtime):
+    """Call the launcher directly (no validation), as vllmini.paged_attention does after validating."""
+    out = torch.empty_like(case["query"])
+    args = [case[k] for k in DECODE_KEYS]
+    return cuda_kernels.paged_attention_v1(*args, case["scale"], out, runtime=runtime)
+
+
+# ----------------------------------------------------------------------------- sources and NVRTC
+
+
+def test_kernel_sources_are_found():
+    names = [f.relative_to(cuda_kernels.kernel_dir()).as_posix() for f in KERNEL_FILES]
+    assert "paged_attention_v1.cu" in names
+    assert cuda_kernels.read_kernel_source("paged_attention_v1") == cuda_kernels.read_kernel_source(
+        "paged_attention_v1.cu"
+    )
+    assert 'extern "C" __global__ void paged_attention_v1(' in cuda_kernels.read_kernel_source(
+        "paged_attention_v1"
+    )
+    with pytest.raises(FileNotFoundError, match="paged_attention_v1"):
+        cuda_kernels.read_kernel_source("no_such_kernel")
+
+
+def test_nvrtc_loads():
+    """CI installs nvidia-cuda-nvrtc-cu12, so there a missing NVRTC is a failure, not a skip."""
+    try:
+        version = cuda_kernels.nvrtc_version()
+    except RuntimeError as e:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"NVRTC not installed here: {e}")
+    assert version >= (11, 2)
+
+
+@pytest.mark.parametrize("arch", cuda_kernels.ARCHS)
+@pytest.mark.parametrize(
+    "path", KERNEL_FILES, ids=lambda p: p.relative_to(cuda_kernels.kernel_dir()).as_posix()
+)
+def test_every_kernel_compiles_with_nvrtc(path, arch):
+    if not os.environ.get("CI"):
+        try:
+            cuda_kernels.nvrtc_version()
+        except RuntimeError as e:
+            pytest.skip(f"NVRTC not installed here: {e}")
+    cubin = cuda_kernels.compile_for_arch(path.read_text(), arch, name=path.name)
+    assert cubin[:4] == b"\x7fELF"  # a cubin is an ELF file
+
+
+def test_compile_errors_name_the_line():
+    try:
+        cuda_kernels.nvrtc_version()
+    except RuntimeError as e:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"NVRTC not installed here: {e}")
+    with pytest.raises(RuntimeError, match=r"bad\.cu\(2\).*undefined"):
+        cuda_kernels.compile_for_arch(
+            'extern "C" __global__ void f(float* x) {\n  x[0] = y;\n}', "sm_80", name="bad.cu"
+        )
+    with pytest.raises(ValueError, match="sm_80"):
+        cuda_kernels.compile_for_arch("", "ampere")
+    ptx = cuda_kernels.compile_for_arch('extern "C" __global__ void f() {}', "compute_75")
+    assert b".target sm_75" in ptx
+
+
+# ----------------------------------------------------------------------------- emulator (CPU, CI)
+
+
+@pytest.mark.parametrize("params", DECODE_GRID + DECODE_GRID_SMALL, ids=case_id)
+def test_emulator_matches_reference(params):
+    case = make_decode_case(21, *params)
+    assert_close(launch(case, "emulator"), reference_decode(case))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("params", DECODE_GRID_SMALL, ids=case_id)
+def test_emulator_half_types_match_reference(params, dtype):
+    case = make_decode_case(20, *params, dtype=dtype)
+    out = launch(case, "emulator")
+    assert out.dtype == dtype
+    assert_close(out, reference_decode(case))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_one_token_returns_its_value_row_bit_for_bit(dtype):
+    """With one token the softmax weight is exactly 1, so out == V: checks the 16-bit -> float widening
+    on zeros, subnormals, the largest normal and infinities."""
+    info = torch.finfo(dtype)
+    specials = [0.0, 1.0, -2.75, info.tiny, -info.tiny, info.max, -info.max, float("inf"), -float("inf")]
+    if dtype != torch.float32:
+        specials += [info.tiny / 4, -info.tiny / 8, info.smallest_normal * 0.5]  # subnormals
+    case = make_decode_case(19, 1, 2, 1, 64, 4, (1,), dtype=dtype)
+    row = torch.zeros(64, dtype=torch.float64)
+    row[: len(specials)] = torch.tensor(specials, dtype=torch.float64)
+    page = int(case["block_tables"][0, 0])
+    case["value_cache"][page, 0, 0] = row.to(dtype)
+    out = launch(case, "emulator")
+    expected = case["value_cache"][page, 0, 0]
+    assert torch.equal(out[0, 0], expected) and torch.equal(out[0, 1], expected)
+
+
+def test_emulator_checked_mode_sees_no_out_of_bounds_access():
+    """AddressSanitizer: the kernel touches no byte outside its buffers, even with junk padding ids."""
+    from vllmini.emulator import RawKernel
+
+    case = make_decode_case(23, 3, 4, 2, 80, 8, (1, 8, 17))
+    out = torch.empty_like(case["query"])
+    num_seqs, num_heads, head_size = case["query"].shape
+    grid, block, shared_mem = cuda_kernels.launch_config_v1(num_seqs, num_heads, head_size)
+    kernel = RawKernel(
+        cuda_kernels.read_kernel_source("paged_attention_v1"), "paged_attention_v1", checked=True
+    )
+    ints = (8, num_heads, head_size, 2, case["block_tables"].shape[1])
+    args = (out, *(case[k] for k in DECODE_KEYS), *map(np.int32, ints), np.float32(case["scale"]))
+    kernel(grid, block, args, shared_mem=shared_mem)
+    assert_close(out, reference_decode(case))
+
+
+def test_emulator_handles_a_context_longer_than_any_fixed_buffer():
+    """Nothing is sized by the context length: 1000 tokens in 1-token pages, 1000 page lookups a head."""
+    case = make_decode_case(24, 1, 2, 1, 64, 1, (1000,))
+    assert_close(launch(case, "emulator"), reference_decode(case))
+
+
+def test_emulator_backend_equals_torch_backend():
+    case = make_decode_case(25, 4, 8, 2, 96, 16, (5, 16, 17, 40))
+    torch.testing.assert_close(decode(case, "emulator"), decode(case, "torch"), rtol=1e-5, atol=1e-5)
+
+
+def test_emulator_is_deterministic():
+    case = make_decode_case(26, 2, 4, 4, 64, 8, (9, 30))
+    assert torch.equal(launch(case, "emulator"), launch(case, "emulator"))
+
+
+def test_the_test_can_fail():
+    """A kernel answer for different inputs does not pass as the reference."""
+    case = make_decode_case(27, 2, 2, 2, 64, 8, (9, 12))
+    out = launch(case, "emulator")
+    case["query"] = case["query"].flip(0)
+    with pytest.raises(AssertionError):
+        assert_close(out, reference_decode(case))
+
+
+# ----------------------------------------------------------------------------- the launcher's own checks
+
+
+def test_launcher_refuses_what_the_kernel_cannot_do():
+    case = make_decode_case(28, 1, 2, 2, 64, 8, (5,))
+    with pytest.raises(ValueError, match="runtime must be one of"):
+        launch(case, "numba")
+    double = {k: (v.double() if k in ("query", "key_cache", "value_cache") else v) for k, v in case.items()}
+    with pytest.raises(TypeError, match="got query of torch.float64"):
+        launch(double, "emulator")
+    mixed = dict(case, key_cache=case["key_cache"].half())
+    with pytest.raises(TypeError, match="key_cache must have the query's dtype torch.float32"):
+        launch(mixed, "emulator")
+    big = make_decode_case(28, 1, 1, 1, 512, 8, (5,))
+    with pytest.raises(ValueError, match="head_size <= 256, got 512"):
+        launch(big, "emulator")
+    with pytest.raises(ValueError, match="needs CPU tensors|needs all tensors on one CUDA device"):
+        launch(case, "cupy" if not torch.cuda.is_available() else "emulator")
+
+
+def test_launch_config():
+    grid, block, shared_mem = cuda_kernels.launch_config_v1(3, 8, 128)
+    assert grid == (3, 8, 1) and block == (cuda_kernels.NUM_THREADS, 1, 1)
+    assert shared_mem == (cuda_kernels.NUM_THREADS // 32) * (128 + 2) * 4
+
+
+# ----------------------------------------------------------------------------- validation before launch
+
+
+@pytest.mark.parametrize("backend", ["emulator", "cupy"])
+@pytest.mark.parametrize("page", [-1, 10**6])
+def test_out_of_range_block_id_is_rejected_before_launch(monkeypatch, backend, page):
+    calls = []
+    fake = types.ModuleType("vllmini.cuda_kernels")
+    fake.paged_attention_v1 = lambda *a, **k: calls.append(k)
+    monkeypatch.setitem(sys.modules, "vllmini.cuda_kernels", fake)
+    device = "cuda" if backend == "cupy" and torch.cuda.is_available() else "cpu"
+    case = make_decode_case(29, 2, 4, 2, 64, 8, (9, 4), device=device)
+    case["block_tables"][0, 1] = page  # token 8 of sequence 0 lives in this page
+    with pytest.raises(ValueError):
+        decode(case, backend)
+    assert calls == []
+
+
+# ----------------------------------------------------------------------------- CuPy on a GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("params", DECODE_GRID, ids=case_id)
+def test_cupy_matches_reference(params):
+    case = make_decode_case(31, *params, device="cuda")
+    assert_close(launch(case, "cupy"), reference_decode(case))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("params", DECODE_GRID[::2], ids=case_id)
+def test_cupy_half_types_match_reference(params, dtype):
+    case = make_decode_case(30, *params, dtype=dtype, device="cuda")
+    out = launch(case, "cupy")
+    assert out.dtype == dtype
+    assert_close(out, reference_decode(case))
+
+
+@pytest.mark.gpu
+def test_cupy_backend_equals_torch_backend_and_emulator():
+    case = make_decode_case(32, 4, 8, 2, 128, 16, (5, 16, 17, 200), device="cuda")
+    out = decode(case, "cupy")
+    torch.testing.assert_close(out, decode(case, "torch"), rtol=1e-5, atol=1e-5)
+    cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
+    torch.testing.assert_close(out.cpu(), decode(cpu, "emulator"), rtol=1e-5, atol=1e-5)
+    assert torch.equal(decode(case, "auto"), out)  # "auto" picks this kernel for CUDA tensors
+
+
+@pytest.mark.gpu
+def test_cupy_long_context():
+    """32k tokens in one sequence: no shared-memory cap on the context length."""
+    case = make_decode_case(33, 2, 4, 1, 128, 16, (32768, 5000), device="cuda")
+    assert_close(launch(case, "cupy"), reference_decode(case))
+
+
+@pytest.mark.gpu
+def test_cupy_runs_on_torchs_current_stream():
+    """The launch waits for earlier work on torch's current stream (here a busy side stream that then
+    rewrites the query); a launch on CuPy's own default stream would read the old query."""
+    case = make_decode_case(34, 3, 4, 4, 64, 16, (100, 7, 33), device="cuda")
+    new_query = torch.randn_like(case["query"])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())  # the inputs were made on the default stream
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(100_000_000)  # keep the side stream busy for tens of milliseconds
+        case["query"].copy_(new_query)
+        out = launch(case, "cupy")
+    stream.synchronize()
+    assert_close(out, reference_decode(case))  # reference of the new query
+
+
+@pytest.mark.gpu
+def test_cupy_page_offsets_past_2_to_the_31():
+    """A page whose first element sits beyond 2**31 floats: the offsets must be 64-bit."""
+    block_size, num_kv_heads, head_size = 16, 8, 128
+    page_elems = block_size * num_kv_heads * head_size
+    num_blocks = 2**31 // page_elems + 4
+    need = 2 * num_blocks * page_elems * 4
+    if torch.cuda.mem_get_info()[0] < need + 2**30:
+        pytest.skip(f"needs {need / 2**30:.0f} GiB of free GPU memory")
+    small = make_decode_case(35, 1, 8, num_kv_heads, head_size, block_size, (40,), device="cuda")
+    case = dict(small)
+    shape = (num_blocks, block_size, num_kv_heads, head_size)
+    case["key_cache"] = torch.full(shape, float("nan"), device="cuda")
+    case["value_cache"] = torch.full(shape, float("nan"), device="cuda")
+    pages = torch.tensor(
+        [num_blocks - 1, num_blocks - 3, num_blocks - 2, 0], dtype=torch.int32, device="cuda"
+    )
+    for i in range(3):  # 40 tokens: pages 0..2 of the small case, moved to the far end of the pool
+        src = int(small["block_tables"][0, i])
+        case["key_cache"][pages[i]] = small["key_cache"][src]
+        case["value_cache"][pages[i]] = small["value_cache"][src]
+    case["block_tables"] = pages[None, :]
+    expected = reference_decode(small)
+    out = launch(case, "cupy")
+    del case
+    torch.cuda.empty_cache()
+    assert_close(out, expected)
