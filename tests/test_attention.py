@@ -360,7 +360,9 @@ def test_auto_prefers_the_kernel_only_where_it_applies(monkeypatch):
     monkeypatch.setattr(attention, "cupy_usable", lambda: True)
     cuda = torch.device("cuda")
     assert resolve_backend("auto", cuda, torch.float32) == "cupy"
-    assert resolve_backend("auto", cuda, torch.float16) == "torch"  # the kernel is float32-only for now
+    assert resolve_backend("auto", cuda, torch.float16) == "cupy"
+    assert resolve_backend("auto", cuda, torch.bfloat16) == "cupy"
+    assert resolve_backend("auto", cuda, torch.float64) == "torch"  # no float64 kernel
     assert resolve_backend("auto", torch.device("cpu"), torch.float32) == "torch"  # never the emulator
     monkeypatch.setattr(attention, "cupy_usable", lambda: False)
     assert resolve_backend("auto", cuda, torch.float32) == "torch"

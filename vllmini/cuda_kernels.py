@@ -14,6 +14,7 @@ inputs first; the launchers here assume validated, contiguous inputs.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -141,7 +142,9 @@ def _torch_stream(device: torch.device):
     handle = torch.cuda.current_stream(device).cuda_stream
     key = (device.index, handle)
     if key not in _cupy_streams:
-        _cupy_streams[key] = cupy.cuda.ExternalStream(handle, device.index)
+        with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream; older CuPy lacks the new API
+            warnings.simplefilter("ignore", DeprecationWarning)
+            _cupy_streams[key] = cupy.cuda.ExternalStream(handle, device.index)
     return _cupy_streams[key]
 
 
@@ -215,6 +218,10 @@ def paged_attention_v1(
     if runtime == "emulator" and any(t.device.type != "cpu" for t in tensors):
         raise ValueError(f"runtime 'emulator' needs CPU tensors, query is on {query.device}")
 
+    # the kernel reads 16-byte vectors: a view that starts mid-row (a rare, odd storage offset) is copied
+    query, key_cache, value_cache = (
+        t if t.data_ptr() % 16 == 0 else t.clone() for t in (query, key_cache, value_cache)
+    )
     grid, block, shared_mem = launch_config_v1(num_seqs, num_heads, head_size)
     function = V1_FUNCTIONS[query.dtype]
     out32 = (
