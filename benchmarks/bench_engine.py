@@ -1,0 +1,480 @@
+"""Static reservation vs paging in the engine: batch size, KV memory holding real tokens, throughput.
+
+The claim under test (Kwon et al., SOSP 2023): when every request reserves max_model_len KV slots up
+front, most reserved memory holds no token (their Fig. 2: 20.4-38.2% holds real tokens in Orca, 96.3%
+in vLLM), so far fewer requests run at once (Fig. 13, ShareGPT: mean batch 7.00 for Orca (Max) vs 30.42
+for vLLM). Here the same engine, model and KV budget run each workload under three policies:
+  static  every admitted request reserves max_model_len slots (Orca (Max))
+  oracle  every request reserves exactly prompt + output slots (Orca (Oracle): knows its length)
+  paged   blocks are taken as tokens arrive; preemption by recomputation when the pool runs out (vLLM)
+
+Workloads: `vllmini.memory.sample_requests` draws (input, output) lengths from lognormals whose means
+are the paper's (ShareGPT 161 / 338 tokens, Alpaca 19 / 58), clipped so input + output <= max_model_len.
+Prompts are random token ids; every request generates exactly its output length (ignore_eos), so the
+schedule does not depend on the weights and a random-weight model measures it faithfully.
+
+Budget: max_model_len 2048 and 15,360 KV token slots = 7.5 x 2048, so static admits 7 requests at once,
+Orca (Max)'s batch in the paper. All requests arrive at step 0 (an offline batch that keeps the queue
+full); batch and memory are averaged over the steps after a warm-up, once the first requests have
+finished and been replaced. Tokens/s = tokens generated / wall time of those steps.
+
+CPU default (< 2 min): a tiny model (2 layers, hidden 64) and everything scaled by --scale 4: lengths,
+max_model_len (512), KV budget (3,840 slots) and block size (4) divided by 4, so every ratio that decides
+the batch size is kept (only the rounding of short lengths to whole tokens changes the means a little).
+--scale 1 is the full size. --device cuda: the full size on a 0.85B-parameter Llama shape in bfloat16, and
+tokens/s against transformers' generate on the same prompts.
+
+    python benchmarks/bench_engine.py                      # CPU, scaled by 4
+    python benchmarks/bench_engine.py --device cuda --plot benchmarks/out/engine.png
+
+Recorded 2026-11-30 (same seeds; batch and memory do not depend on the model or device):
+  full size, CPU, 2000 steps (--scale 1 --steps 2000 --no-sweep), mean batch / KV budget holding tokens:
+    ShareGPT  static 7.00 / 20.2%   oracle 17.44 / 58.4%   paged 30.79 / 97.0%  (paper 7.00 / 20.4%,
+              13.62 / 38.2%, 30.42 / 96.3%): paged/static 4.4x (paper 4.3x)
+    Alpaca    static 7.00 / 3.3%    oracle 101.5 / 53.0%   paged 171.9 / 90.9%  (paper batch 7.00, 72.75,
+              132.44): paged/static 24.6x (paper 18.9x)
+  default CPU run (scale 1/4, 500 steps): ShareGPT 7.00 / 31.05 (4.4x), the same as full size.
+  one NVIDIA H200, torch 2.11 + CUDA 13, CuPy 14.2, 0.85B-parameter random Llama in bfloat16, decode
+  attention through the CuPy kernel, 600 steps (too few for the long ShareGPT steady state: batch 7.00 vs
+  35.8, KV holding tokens 12.1% vs 96.6%): tokens/s static 252, oracle 778, paged 1261 (ShareGPT);
+  286 / 2537 / 4504 (Alpaca). The step's cost barely depends on the batch (host overhead of about 28 ms
+  per step: 16 layers of validation and launches), so tokens/s follows the batch size.
+  64 ShareGPT-like prompts x 128 new tokens: transformers generate (batched, left-padded) 840 tok/s,
+  vllmini static 249, paged in the same 15,360 slots 1704, paged with room for all 64: 2235.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from vllmini.engine import LLMEngine, SamplingParams
+from vllmini.memory import sample_requests
+from vllmini.model import LlamaConfig, LlamaModel
+
+PAPER = {  # Kwon et al. 2023, Fig. 13 (OPT-13B, mean batched requests) and Fig. 2 (KV memory with tokens)
+    "batch": {
+        "sharegpt": {"static": 7.00, "oracle": 13.62, "paged": 30.42},
+        "alpaca": {"static": 7.00, "oracle": 72.75, "paged": 132.44},
+    },
+    "token_share": {"static": 0.204, "oracle": 0.382, "paged": 0.963},
+}
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+ONE_B = dict(
+    vocab_size=32000,
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+)  # 0.85B parameters: TinyLlama-like (hidden 2048, GQA 32/8) with 16 layers
+
+
+def random_model(shape: dict, max_len: int, dtype: torch.dtype, device: str, seed: int = 0) -> LlamaModel:
+    """A Llama of `shape` with N(0, 0.02) weights (norms 1), built directly on `device`."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaModel(LlamaConfig(**shape, max_position_embeddings=max_len)).to(dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.02)
+    return model.eval()
+
+
+def workload(name: str, n: int, max_model_len: int, scale: int, vocab: int, seed: int = 0):
+    """n (prompt_ids, output_len) pairs: full-size lengths drawn at max_len = max_model_len * scale, then
+    divided by scale (rounded, at least 1 token)."""
+    g = torch.Generator().manual_seed(seed)
+    reqs = []
+    for i, o in sample_requests(n, name, max_model_len * scale, seed):
+        i, o = max(1, round(i / scale)), max(1, round(o / scale))
+        i = min(i, max_model_len - 1)
+        o = min(o, max_model_len - i)
+        reqs.append((torch.randint(0, vocab, (i,), generator=g).tolist(), o))
+    return reqs
+
+
+class Timer:
+    """Wall time of a block: CUDA events on a GPU (after everything queued has run), else perf_counter."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = torch.device(device).type == "cuda"
+
+    def __enter__(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self.end.record()
+            torch.cuda.synchronize()
+            self.seconds = self.start.elapsed_time(self.end) / 1e3
+        else:
+            self.seconds = time.perf_counter() - self.t0
+
+
+@dataclass
+class Result:
+    workload: str
+    policy: str
+    max_model_len: int
+    block_size: int
+    mean_batch: float
+    token_share: float  # of the whole KV budget, holding real tokens
+    token_share_alloc: float  # of the slots allocated/reserved, holding real tokens
+    finished: int
+    tokens_per_s: float
+    preemptions: int
+    queue_ran_dry: bool
+    backend: str = ""
+
+
+def run(
+    model,
+    reqs,
+    policy: str,
+    *,
+    max_model_len: int,
+    block_size: int,
+    kv_slots: int,
+    steps: int,
+    warmup: int,
+    label: str = "",
+) -> Result:
+    engine = LLMEngine(
+        model,
+        block_size=block_size,
+        num_blocks=kv_slots // block_size,
+        max_model_len=max_model_len,
+        policy=policy,
+        max_num_seqs=1024,
+        watermark=0.01,
+    )
+    for prompt, out in reqs:
+        engine.add_request(prompt, SamplingParams(max_tokens=out, ignore_eos=True))
+    bar = tqdm(total=steps, desc=label, leave=False)
+
+    def advance(n: int) -> int:  # n engine steps; returns requests finished
+        finished = 0
+        for _ in range(n):
+            finished += len(engine.step())
+            bar.update()
+        return finished
+
+    advance(warmup)
+    with Timer(model.device) as timer:  # the measured window, scheduling and sampling included
+        finished = advance(steps - warmup)
+    bar.close()
+    window = engine.stats[warmup:]
+    n = len(window)
+    return Result(
+        workload="",
+        policy=policy,
+        max_model_len=max_model_len,
+        block_size=block_size,
+        mean_batch=sum(s.batch_size for s in window) / n,
+        token_share=sum(s.num_tokens / s.pool_slots for s in window) / n,
+        token_share_alloc=sum(s.num_tokens for s in window) / max(1, sum(s.allocated_slots for s in window)),
+        finished=finished,
+        tokens_per_s=sum(s.num_generated for s in window) / timer.seconds,
+        preemptions=engine.num_preemptions,
+        queue_ran_dry=any(s.num_waiting == 0 for s in window),
+        backend=engine.backend,
+    )
+
+
+def print_table(results: list[Result], title: str) -> None:
+    print(f"\n{title}; decode attention backend: {', '.join(sorted({r.backend for r in results}))}")
+    head = (
+        f"{'workload':9} {'policy':7} {'max_len':>7} {'block':>5} {'mean batch':>10} {'KV w/ tokens':>12} "
+        f"{'of alloc':>8} {'finished':>8} {'tok/s':>9} {'preempt':>7}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        dry = " (queue ran dry)" if r.queue_ran_dry else ""
+        print(
+            f"{r.workload:9} {r.policy:7} {r.max_model_len:7d} {r.block_size:5d} {r.mean_batch:10.2f} "
+            f"{r.token_share:12.1%} {r.token_share_alloc:8.1%} {r.finished:8d} {r.tokens_per_s:9.0f} "
+            f"{r.preemptions:7d}{dry}"
+        )
+
+
+def hf_generate_tokens_per_s(model: LlamaModel, prompts: list[list[int]], new_tokens: int) -> float:
+    """transformers' generate on the same weights: batched, left-padded, greedy, exactly new_tokens each."""
+    import transformers
+
+    cfg = model.config
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rope_theta=cfg.rope_theta,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    with torch.device(model.device):
+        hf = transformers.LlamaForCausalLM(hf_cfg).to(model.dtype).eval()
+    ours = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    res = hf.model.load_state_dict(ours, strict=False)
+    assert not res.unexpected_keys and all("rotary" in k for k in res.missing_keys), res
+    hf.lm_head.weight.data.copy_(model.lm_head.weight)
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    hf.generate(ids[:2], attention_mask=mask[:2], max_new_tokens=4, min_new_tokens=4, do_sample=False)  # warm
+    with Timer(model.device) as t:
+        out = hf.generate(ids, attention_mask=mask, **kw)
+    assert out.shape[1] == width + new_tokens
+    del hf
+    return len(prompts) * new_tokens / t.seconds
+
+
+def engine_tokens_per_s(
+    model, prompts, new_tokens: int, policy: str, max_model_len: int, kv_slots: int
+) -> float:
+    engine = LLMEngine(
+        model,
+        block_size=16,
+        num_blocks=kv_slots // 16,
+        max_model_len=max_model_len,
+        policy=policy,
+        max_num_seqs=1024,
+    )
+    engine.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm
+    with Timer(model.device) as t:
+        engine.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True), use_tqdm=False)
+    return len(prompts) * new_tokens / t.seconds
+
+
+def plot(main: list[Result], by_len: list[Result], by_block: list[Result], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = 2 + bool(by_len) + bool(by_block)  # the sweeps are skipped on CUDA
+    fig, axes = plt.subplots(1, n, figsize=(4.25 * n, 3.8))
+    policies = ["static", "oracle", "paged"]
+    for k, w in enumerate(["sharegpt", "alpaca"]):
+        rs = {r.policy: r for r in main if r.workload == w}
+        xs = [k * 4 + j for j in range(3)]
+        axes[0].bar(xs, [rs[p].mean_batch for p in policies], color=["C3", "C1", "C2"])
+        axes[0].scatter(
+            xs,
+            [PAPER["batch"][w][p] for p in policies],
+            color="k",
+            marker="_",
+            s=300,
+            zorder=3,
+            label="paper (OPT-13B)" if k == 0 else None,
+        )
+    axes[0].set_xticks([0, 1, 2, 4, 5, 6], ["static", "oracle", "paged"] * 2, fontsize=8)
+    axes[0].set(title="mean running batch\n(ShareGPT | Alpaca)", yscale="log")
+    axes[0].legend(fontsize=8)
+    rs = {r.policy: r for r in main if r.workload == "sharegpt"}
+    axes[1].bar(policies, [rs[p].token_share for p in policies], color=["C3", "C1", "C2"])
+    axes[1].scatter(
+        policies,
+        [PAPER["token_share"][p] for p in policies],
+        color="k",
+        marker="_",
+        s=300,
+        zorder=3,
+        label="paper Fig. 2",
+    )
+    axes[1].set(title="KV budget holding real tokens\n(ShareGPT)", ylim=(0, 1))
+    axes[1].legend(fontsize=8)
+    if by_len:
+        lens = sorted({r.max_model_len for r in by_len})
+        for p, c in (("static", "C3"), ("paged", "C2")):
+            axes[2].plot(
+                lens,
+                [next(r.mean_batch for r in by_len if r.policy == p and r.max_model_len == m) for m in lens],
+                "o-",
+                color=c,
+                label=p,
+            )
+        axes[2].set(
+            title="mean batch vs max_model_len\n(ShareGPT, same budget)",
+            xscale="log",
+            yscale="log",
+            xlabel="max_model_len",
+        )
+        axes[2].set_xticks(lens, [str(m) for m in lens])
+        axes[2].minorticks_off()
+        ticks = [3, 7, 15, 30, 60, 120]
+        axes[2].set_yticks(ticks, [str(t) for t in ticks])
+        axes[2].legend(fontsize=8)
+    if by_block:
+        blocks = [r.block_size for r in by_block]
+        axes[-1].plot(blocks, [r.token_share_alloc for r in by_block], "o-", color="C2", label="of allocated")
+        axes[-1].plot(blocks, [r.token_share for r in by_block], "s--", color="C0", label="of budget")
+        axes[-1].set(
+            title="paged: slots holding tokens\nvs block size (ShareGPT)",
+            xscale="log",
+            ylim=(0, 1.02),
+            xlabel="block size",
+        )
+        axes[-1].set_xticks(blocks, [str(b) for b in blocks])
+        axes[-1].minorticks_off()
+        axes[-1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"\nplot saved to {path}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument(
+        "--scale",
+        type=int,
+        default=None,
+        help="divide lengths, budget, block size by this (default 4 on CPU, 1 on CUDA)",
+    )
+    ap.add_argument(
+        "--steps", type=int, default=None, help="engine steps per run (default 500 on CPU, 1000 on CUDA)"
+    )
+    ap.add_argument(
+        "--no-sweep",
+        action="store_true",
+        help="skip the max_model_len and block-size sweeps "
+        "(their batch and memory numbers do not depend on the device; on CUDA they are skipped)",
+    )
+    ap.add_argument("--plot", metavar="PATH", help="save a figure")
+    ap.add_argument(
+        "--hf",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="tokens/s against transformers' generate (default: on with CUDA, off on CPU)",
+    )
+    args = ap.parse_args()
+    scale = args.scale or (4 if args.device == "cpu" else 1)
+    steps = args.steps or (1000 if args.device == "cuda" else 500)
+    warmup = steps // 5
+    max_len, block, kv_slots = 2048 // scale, max(1, 16 // scale), 15360 // scale
+    on_gpu = args.device == "cuda"
+    if not on_gpu:  # the tiny model's matrices are too small to share out: threads only add waiting
+        torch.set_num_threads(1)
+    shape = ONE_B if on_gpu else TINY
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    model = random_model(shape, 4096, dtype, args.device)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(
+        f"model: {n_params / 1e6:.1f}M parameters, {dtype}, {args.device}; scale 1/{scale}: max_model_len "
+        f"{max_len}, KV budget {kv_slots} slots, block size {block}; {steps} steps per run, first {warmup} "
+        "not averaged"
+    )
+
+    def runs(configs, title):
+        out = []
+        for w, policy, m, b, s in tqdm(configs, desc=title):
+            # enough requests that the queue never runs dry (Alpaca's are short: many finish per step)
+            reqs = workload(w, 3000 if w == "sharegpt" else 12000, m, scale, shape["vocab_size"])
+            r = run(
+                model,
+                reqs,
+                policy,
+                max_model_len=m,
+                block_size=b,
+                kv_slots=kv_slots,
+                steps=s,
+                warmup=s // 5,
+                label=f"{w} {policy}",
+            )
+            r.workload = w
+            out.append(r)
+        return out
+
+    main_runs = runs(
+        [
+            (w, p, max_len, block, steps)
+            for w in ("sharegpt", "alpaca")
+            for p in ("static", "oracle", "paged")
+        ],
+        "static vs paged",
+    )
+    print_table(
+        main_runs, f"Static vs paged, same model and KV budget ({kv_slots} slots, max_model_len {max_len})"
+    )
+    for w in ("sharegpt", "alpaca"):
+        rs = {r.policy: r for r in main_runs if r.workload == w}
+        print(
+            f"{w}: paged/static mean batch {rs['paged'].mean_batch / rs['static'].mean_batch:.1f}x "
+            f"(paper {PAPER['batch'][w]['paged'] / PAPER['batch'][w]['static']:.1f}x), "
+            f"paged/oracle {rs['paged'].mean_batch / rs['oracle'].mean_batch:.1f}x "
+            f"(paper {PAPER['batch'][w]['paged'] / PAPER['batch'][w]['oracle']:.1f}x)"
+        )
+
+    by_len, by_block = [], []
+    if not (args.no_sweep or on_gpu):
+        sweep_steps = steps // 2
+        by_len = runs(
+            [
+                ("sharegpt", p, m // scale, block, sweep_steps)
+                for m in (512, 1024, 2048, 4096)
+                for p in ("static", "paged")
+            ],
+            "max_model_len sweep",
+        )
+        print_table(by_len, f"Sweep over max_model_len (ShareGPT, same budget; lengths at 1/{scale} scale)")
+        by_block = runs(
+            [("sharegpt", "paged", max_len, max(1, b // scale), sweep_steps) for b in (8, 16, 32, 64, 128)],
+            "block size sweep",
+        )
+        print_table(by_block, f"Sweep over block size (ShareGPT, paged; block sizes at 1/{scale} scale)")
+    if args.hf if args.hf is not None else on_gpu:
+        compare_with_transformers(model, new=128 if on_gpu else 16)
+    if args.plot:
+        plot(main_runs, by_len, by_block, args.plot)
+
+
+def compare_with_transformers(model: LlamaModel, new: int) -> None:
+    """Tokens/s of the engine (static, paged) and of transformers' generate on the same 64 prompts."""
+    reqs = workload("sharegpt", 64, 1024, 1, model.config.vocab_size, seed=1)
+    prompts = [p for p, _ in reqs]
+    print(
+        f"\nTokens/s, {len(prompts)} ShareGPT-like prompts (mean {sum(map(len, prompts)) / len(prompts):.0f} "
+        f"tokens) x {new} new tokens each, greedy, {model.dtype}"
+    )
+    cases = {
+        "transformers generate (batched, left-padded)": lambda: hf_generate_tokens_per_s(model, prompts, new),
+        "vllmini static (15,360 slots)": lambda: engine_tokens_per_s(
+            model, prompts, new, "static", 2048, 15360
+        ),
+        "vllmini paged (15,360 slots)": lambda: engine_tokens_per_s(
+            model, prompts, new, "paged", 2048, 15360
+        ),
+        "vllmini paged (pool for all 64 at 2048)": lambda: engine_tokens_per_s(
+            model, prompts, new, "paged", 2048, 64 * 2048
+        ),
+    }
+    for name, fn in tqdm(cases.items(), desc="tokens/s"):
+        tqdm.write(f"  {name:45} {fn():9.0f} tok/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,470 @@
+"""A Llama-family decoder whose attention reads and writes the paged KV cache.
+
+The model is the usual Llama stack (token embedding, N x [RMSNorm -> grouped-query attention with
+rotary embeddings -> residual, RMSNorm -> SwiGLU MLP -> residual], RMSNorm, lm_head), written out in
+one file. What is different from a textbook decoder is the batch it eats: one flat list of tokens
+from many sequences at once, `input_ids [num_tokens]` and `positions [num_tokens]`, plus an
+`AttentionMetadata` that says where each token's K/V goes (`slot_mapping`) and which pages each
+sequence reads (`block_tables`, `seq_lens`). Prefill sequences come first (each several new tokens,
+`paged_prefill_attention`), decode sequences after (one new token each, `paged_attention`), so a
+step that mixes both is still one forward. The forward returns the logits of each sequence's last
+token.
+
+Weights load from a Hugging Face Llama checkpoint directory (config.json + safetensors, single file
+or sharded) or from an in-memory `transformers` model; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from vllmini.attention import paged_attention, paged_prefill_attention
+from vllmini.kv_cache import reshape_and_cache
+
+ROPE_TYPES = ("default", "linear", "llama3")
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# -----------------------------------------------------------------------------
+# config
+
+
+@dataclass
+class LlamaConfig:
+    """The numbers that define a Llama-family model (the keys of its config.json)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int | None = None  # None = num_attention_heads (MHA)
+    head_dim: int | None = None  # None = hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "linear" | "llama3", ...}; None = plain RoPE
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if kind not in ROPE_TYPES:
+                raise ValueError(f"rope scaling type must be one of {ROPE_TYPES}, got {kind!r}")
+            self.rope_scaling = {**self.rope_scaling, "rope_type": kind}
+            self.rope_scaling.pop("type", None)
+            if kind == "default":
+                self.rope_scaling = None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> LlamaConfig:
+        """From a Hugging Face config dict, with either rope key style: older `rope_theta` +
+        `rope_scaling`, or newer `rope_parameters` (which holds rope_theta and rope_type together)."""
+        if d.get("model_type", "llama") != "llama":
+            raise ValueError(f"model_type must be 'llama', got {d.get('model_type')!r}")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act must be 'silu' (SwiGLU), got {d.get('hidden_act')!r}")
+        rope = dict(d.get("rope_parameters") or {})
+        theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
+        if not rope:  # the older style: the scaling dict sits on its own
+            rope = dict(d.get("rope_scaling") or {})
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(f"partial_rotary_factor must be 1.0, got {rope['partial_rotary_factor']}")
+        rope.pop("partial_rotary_factor", None)
+        names = {f for f in cls.__dataclass_fields__ if f not in ("rope_theta", "rope_scaling")}
+        return cls(
+            **{k: d[k] for k in names if k in d and d[k] is not None},
+            rope_theta=float(theta),
+            rope_scaling=rope or None,
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> LlamaConfig:
+        """From the config.json in checkpoint directory `path`."""
+        file = Path(path) / "config.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"no config.json in {str(path)!r}")
+        return cls.from_dict(json.loads(file.read_text()))
+
+
+# -----------------------------------------------------------------------------
+# attention metadata: how the flat batch of tokens maps onto sequences and pages
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens go in the cache and what each sequence reads.
+
+    Sequences are ordered prefills first, then decodes (one new token each). Sequence i's new tokens
+    are input_ids[query_start_loc[i]:query_start_loc[i+1]], and they are its last ones: after this
+    step it holds seq_lens[i] tokens in the cache.
+    """
+
+    slot_mapping: torch.Tensor  # (num_tokens,) int64: cache slot of each new token
+    block_tables: torch.Tensor  # (num_seqs, max_num_blocks_per_seq) int32, padded with -1
+    seq_lens: torch.Tensor  # (num_seqs,) int32: tokens in the cache after this step
+    query_start_loc: torch.Tensor  # (num_seqs + 1,) int32: cumulative new tokens
+    num_prefills: int  # the first num_prefills sequences use the prefill path
+    num_prefill_tokens: int  # = query_start_loc[num_prefills]
+    last_token_indices: torch.Tensor = field(init=False)  # (num_seqs,) int64: each sequence's last token
+
+    def __post_init__(self):
+        self.last_token_indices = self.query_start_loc[1:].to(torch.int64) - 1
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def num_decodes(self) -> int:
+        return self.num_seqs - self.num_prefills
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        block_tables: torch.Tensor,
+        seq_lens: list[int],
+        slot_mapping: list[int],
+        num_prefills: int,
+        device=None,
+    ) -> AttentionMetadata:
+        """From host-side lists (one entry per sequence, prefills first); checks they agree."""
+        if not 0 <= num_prefills <= len(query_lens) or len(query_lens) != len(seq_lens):
+            raise ValueError(
+                f"need 0 <= num_prefills ({num_prefills}) <= num_seqs and one query_len per "
+                f"seq_len, got {len(query_lens)} query_lens and {len(seq_lens)} seq_lens"
+            )
+        if any(q != 1 for q in query_lens[num_prefills:]):
+            raise ValueError(
+                f"decode sequences take exactly one new token, got query_lens {query_lens[num_prefills:]}"
+            )
+        if any(not 1 <= q <= s for q, s in zip(query_lens, seq_lens, strict=True)):
+            raise ValueError(f"each query_len must be in [1, seq_len], got {query_lens} for {seq_lens}")
+        if sum(query_lens) != len(slot_mapping):
+            raise ValueError(f"slot_mapping has {len(slot_mapping)} slots for {sum(query_lens)} new tokens")
+        starts = [0]
+        for q in query_lens:
+            starts.append(starts[-1] + q)
+        return cls(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+            block_tables=block_tables.to(device=device, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            num_prefills=num_prefills,
+            num_prefill_tokens=starts[num_prefills],
+        )
+
+
+# -----------------------------------------------------------------------------
+# the layers
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 and cast back (as Llama does)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
+    """Rotation frequency of each pair of head dims (head_dim // 2,), with Llama-3 / linear scaling.
+
+    Llama 3 stretches long wavelengths (low frequencies) by `factor`, keeps short ones, and blends
+    linearly in between, so a model trained on `original_max_position_embeddings` reads longer text.
+    """
+    dim = config.head_dim
+    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim)
+    s = config.rope_scaling
+    if s is None:
+        pass
+    elif s["rope_type"] == "linear":
+        inv_freq = inv_freq / s["factor"]
+    else:  # llama3
+        factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old_len = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        # 0 for wavelengths longer than old_len / lo (fully scaled), 1 below old_len / hi (unscaled)
+        smooth = ((old_len / wavelen - lo) / (hi - lo)).clamp(0.0, 1.0)
+        inv_freq = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return inv_freq.float()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each (x[i], x[i + d/2]) pair by the position's angle. x (T, nh, hd); cos/sin (T, hd)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)  # (T, nh, hd)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    """Grouped-query attention over the paged cache: write the new K/V, then read every page."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        bias, h = config.attention_bias, config.hidden_size
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
+
+    def forward(self, x, cos, sin, key_cache, value_cache, meta: AttentionMetadata, backend: str):
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # (T, nh, hd)
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # (T, nkv, hd)
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)  # (T, nkv, hd)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)  # new tokens into their slots
+        out = torch.empty_like(q)  # (T, nh, hd)
+        P, n = meta.num_prefill_tokens, meta.num_prefills
+        if n:  # only the torch backend has a prefill path
+            out[:P] = paged_prefill_attention(
+                q[:P],
+                key_cache,
+                value_cache,
+                meta.block_tables[:n],
+                meta.seq_lens[:n],
+                meta.query_start_loc[: n + 1],
+                backend="torch" if backend in ("cupy", "emulator") else backend,
+            )
+        if meta.num_decodes:
+            out[P:] = paged_attention(
+                q[P:], key_cache, value_cache, meta.block_tables[n:], meta.seq_lens[n:], backend=backend
+            )
+        return self.o_proj(out.view(T, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=bias)
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, key_cache, value_cache, meta, backend):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, key_cache, value_cache, meta, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# -----------------------------------------------------------------------------
+# the model
+
+
+class LlamaModel(nn.Module):
+    """Llama decoder + lm_head. Parameter names match Hugging Face's without the `model.` prefix."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        # rotary frequencies (hd/2,), float32: a plain attribute, not a buffer, so that model.to(bfloat16)
+        # cannot round them; forward moves them to the input's device
+        self.inv_freq = rope_inv_freq(config)
+        self.tokenizer = None  # a tokenizers.Tokenizer when the checkpoint has tokenizer.json
+        eos = config.eos_token_id
+        self.eos_token_ids: tuple[int, ...] = tuple(
+            eos if isinstance(eos, list) else [] if eos is None else [eos]
+        )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (num_tokens,) int
+        positions: torch.Tensor,  # (num_tokens,) int: each token's index in its sequence
+        kv_cache,  # a PagedKVCache (anything with per-layer .key_caches / .value_caches)
+        meta: AttentionMetadata,
+        *,
+        backend: str = "auto",
+        all_logits: bool = False,
+    ) -> torch.Tensor:
+        """Logits (num_seqs, vocab) of each sequence's last new token; all_logits: (num_tokens, vocab)."""
+        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+            raise ValueError(
+                f"input_ids and positions must both be [num_tokens], got "
+                f"{tuple(input_ids.shape)} and {tuple(positions.shape)}"
+            )
+        self._check_cache(kv_cache)
+        x = self.embed_tokens(input_ids)  # (T, hidden)
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        angles = positions.float()[:, None] * self.inv_freq[None, :]  # (T, hd/2), float32 as in Llama
+        angles = torch.cat((angles, angles), dim=-1)  # (T, hd)
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv_cache.key_caches[i], kv_cache.value_caches[i], meta, backend)
+        if not all_logits:
+            x = x[meta.last_token_indices]  # (num_seqs, hidden)
+        return self.lm_head(self.norm(x))
+
+    def _check_cache(self, kv_cache) -> None:
+        c = self.config
+        want = (c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.dtype)
+        got = (
+            len(kv_cache.key_caches),
+            kv_cache.key_caches[0].shape[2],
+            kv_cache.key_caches[0].shape[3],
+            kv_cache.key_caches[0].dtype,
+        )
+        if got != want:
+            raise ValueError(
+                f"kv_cache has (num_layers, num_kv_heads, head_size, dtype) = {got}; this model needs {want}"
+            )
+
+    # -------------------------------------------------------------------------
+    # loading
+
+    @classmethod
+    def from_pretrained(
+        cls, path_or_hf_model, dtype: torch.dtype | None = None, device: str | torch.device | None = None
+    ) -> LlamaModel:
+        """From a checkpoint directory (config.json + model.safetensors or a sharded
+        model.safetensors.index.json; tokenizer.json and generation_config.json when present) or
+        from an in-memory transformers LlamaForCausalLM (whose tensors are shared, not copied, when
+        dtype and device already match). dtype defaults to the stored weights'."""
+        tokenizer, gen = None, {}
+        if isinstance(path_or_hf_model, (str, os.PathLike)):
+            root = Path(path_or_hf_model)
+            config = LlamaConfig.from_pretrained(root)
+            state = _load_safetensors(root)
+            if (root / "tokenizer.json").is_file():
+                from tokenizers import Tokenizer
+
+                tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
+            if (root / "generation_config.json").is_file():
+                gen = json.loads((root / "generation_config.json").read_text())
+        elif hasattr(path_or_hf_model, "state_dict") and hasattr(path_or_hf_model, "config"):
+            config = LlamaConfig.from_dict(path_or_hf_model.config.to_dict())
+            state = path_or_hf_model.state_dict()
+            g = getattr(path_or_hf_model, "generation_config", None)
+            gen = {"eos_token_id": getattr(g, "eos_token_id", None)}
+            device = device if device is not None else next(path_or_hf_model.parameters()).device
+        else:
+            raise TypeError(
+                f"path_or_hf_model must be a directory path or a transformers model, "
+                f"got {type(path_or_hf_model).__name__}"
+            )
+        if "model.embed_tokens.weight" not in state:
+            raise ValueError("the checkpoint has no model.embed_tokens.weight: not a Llama checkpoint")
+        dtype = dtype if dtype is not None else state["model.embed_tokens.weight"].dtype
+        if dtype not in DTYPES:
+            raise TypeError(f"dtype must be one of {DTYPES}, got {dtype}")
+        with torch.device("meta"):  # no memory, no random init: the weights come next
+            model = cls(config)
+        model._load_hf_state_dict(state, dtype, torch.device(device or "cpu"))
+        model.tokenizer = tokenizer
+        eos = gen.get("eos_token_id")
+        if eos is not None:
+            model.eos_token_ids = tuple(eos if isinstance(eos, list) else [eos])
+        return model.eval()
+
+    def _load_hf_state_dict(self, state: dict, dtype: torch.dtype, device: torch.device) -> None:
+        expected = {n: p.shape for n, p in self.named_parameters()}  # a tied lm_head appears once
+        tensors = {}
+        for key, t in state.items():
+            name = key.removeprefix("model.")
+            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and name not in expected):
+                continue  # recomputed here / tied to the embedding
+            if name not in expected:
+                raise ValueError(f"unexpected weight {key!r} for a Llama model")
+            if tuple(t.shape) != tuple(expected[name]):
+                raise ValueError(
+                    f"weight {key!r} has shape {tuple(t.shape)}, expected {tuple(expected[name])}"
+                )
+            tensors[name] = t.to(device=device, dtype=dtype)
+        missing = sorted(set(expected) - set(tensors))
+        if missing:
+            raise ValueError(
+                f"the checkpoint lacks weights {missing[:5]}{' ...' if len(missing) > 5 else ''}"
+            )
+        self.load_state_dict(tensors, strict=False, assign=True)
+        if self.config.tie_word_embeddings:  # assign=True replaced the parameter: tie again
+            self.lm_head.weight = self.embed_tokens.weight
+
+
+def _load_safetensors(root: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a single-file or sharded safetensors checkpoint, on the CPU."""
+    from safetensors.torch import load_file
+
+    if (root / "model.safetensors").is_file():
+        return load_file(root / "model.safetensors")
+    index = root / "model.safetensors.index.json"
+    if not index.is_file():
+        raise FileNotFoundError(
+            f"{str(root)!r} has neither model.safetensors nor model.safetensors.index.json"
+        )
+    state = {}
+    for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+        state.update(load_file(root / shard))
+    return state
