@@ -25,6 +25,8 @@ import argparse
 import ast
 import configparser
 import contextlib
+import importlib.abc
+import importlib.util
 import io
 import json
 import os
@@ -219,18 +221,43 @@ def _sanitize(text: str, rules) -> str:
     return text
 
 
+def _ipython_stub(name: str) -> types.ModuleType:
+    """A stand-in for IPython (a package: get_ipython() is None, as in a plain Python shell; a version
+    new enough that matplotlib asks nothing more) or IPython.display (display() does nothing)."""
+    module = types.ModuleType(name)
+    if name == "IPython":
+        module.__path__ = []  # a package, so that `import IPython.display` works
+        module.get_ipython = lambda: None
+        module.version_info = (8, 24, 0, "")
+        module.__version__ = "8.24.0 (gpu_check stub)"
+    else:
+        module.display = module.clear_output = lambda *a, **k: None
+        module.HTML = module.Markdown = module.Image = lambda *a, **k: None
+    return module
+
+
+class _IPythonStubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Last on sys.meta_path: answers an import of IPython / IPython.display only when nothing else can.
+    Nothing is put into sys.modules up front, so libraries that look for IPython there (matplotlib,
+    tqdm) see a plain Python shell until a cell itself imports IPython -- and then a stub they can use.
+    ipywidgets is not stubbed: a cell that needs it is skipped (see STUB_MODULES)."""
+
+    names = ("IPython", "IPython.display")
+
+    def find_spec(self, name, path=None, target=None):
+        return importlib.util.spec_from_loader(name, self) if name in self.names else None
+
+    def create_module(self, spec):
+        return _ipython_stub(spec.name)
+
+    def exec_module(self, module):
+        pass
+
+
 def _install_stubs() -> None:
-    """Let `from IPython.display import display` work without IPython: display() does nothing."""
-    try:
-        import IPython.display  # noqa: F401
-    except ImportError:
-        ipython = types.ModuleType("IPython")
-        disp = types.ModuleType("IPython.display")
-        disp.display = lambda *a, **k: None
-        disp.clear_output = lambda *a, **k: None
-        disp.HTML = disp.Markdown = disp.Image = lambda *a, **k: None
-        ipython.display = disp
-        sys.modules["IPython"], sys.modules["IPython.display"] = ipython, disp
+    """Let `from IPython.display import display` work without IPython (where a real one exists, it wins)."""
+    if not any(isinstance(f, _IPythonStubFinder) for f in sys.meta_path):
+        sys.meta_path.append(_IPythonStubFinder())
 
 
 def _run_cell(source: str, ns: dict) -> tuple[str, str, object]:

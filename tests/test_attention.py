@@ -42,6 +42,17 @@ def prefill(case, backend="torch"):
     return paged_prefill_attention(*args, case["scale"], backend=backend)
 
 
+@pytest.fixture(params=["view", "copy"])
+def host_path(request, monkeypatch):
+    """Run the table checks both ways: CPU tensors viewed in place, and the one device->host copy that
+    CUDA tensors take (`_host_copy`, exercised here on the CPU)."""
+    import vllmini.attention as attention
+
+    if request.param == "copy":
+        monkeypatch.setattr(attention, "_host_view", attention._host_copy)
+    return request.param
+
+
 # ----------------------------------------------------------------------------- decode correctness
 
 
@@ -95,7 +106,7 @@ def test_scale_default_and_custom():
     torch.testing.assert_close(decode(case)[1].double(), v.mean(0), rtol=1e-6, atol=1e-6)
 
 
-def test_padding_entries_are_ignored_whatever_they_hold():
+def test_padding_entries_are_ignored_whatever_they_hold(host_path):
     case = make_decode_case(6, 3, 4, 2, 64, 8, (5, 16, 17))
     base = decode(case)
     bt = case["block_tables"]
@@ -115,7 +126,7 @@ def test_unused_slots_never_leak_even_as_inf():
     assert_close(decode(case), ref)
 
 
-def test_strided_and_transposed_inputs():
+def test_strided_and_transposed_inputs(host_path):
     params = DECODE_GRID_SMALL[1]
     case = make_decode_case(8, *params)
     ref = reference_decode(case)
@@ -133,7 +144,7 @@ def test_strided_and_transposed_inputs():
     assert all(t.is_contiguous() for t in a[:5])
 
 
-def test_int64_indices_give_the_same_answer():
+def test_int64_indices_give_the_same_answer(host_path):
     case = make_decode_case(9, 3, 4, 2, 80, 16, (1, 16, 33))
     base = decode(case)
     case["block_tables"] = case["block_tables"].long()
@@ -144,6 +155,14 @@ def test_int64_indices_give_the_same_answer():
     assert a.max_seq_len == 33 and a.scale == 80**-0.5
     case["block_tables"][0, 1:] = 2**40  # int64 garbage in padding: still ignored
     assert torch.equal(decode(case), base)
+    case["seq_lens"] = case["seq_lens"].int()  # int64 table with int32 lengths
+    assert torch.equal(decode(case), base)
+
+
+def test_equal_lengths_with_a_partly_filled_last_page():
+    """Every sequence 7 tokens in 4-token pages: no padding to mask, but slot 3 of each last page is NaN."""
+    case = make_decode_case(22, 3, 8, 2, 64, 4, (7, 7, 7))
+    assert_close(decode(case), reference_decode(case))
 
 
 def test_empty_batch():
@@ -285,14 +304,14 @@ BAD_DECODE = [
 
 
 @pytest.mark.parametrize("overrides,exc,msg", BAD_DECODE, ids=[m for _, _, m in BAD_DECODE])
-def test_decode_validation_errors(overrides, exc, msg):
+def test_decode_validation_errors(overrides, exc, msg, host_path):
     with pytest.raises(exc) as info:
         _call(bad(**overrides))
     assert msg in str(info.value)
 
 
 @pytest.mark.parametrize("page", [-1, 6, 10**6])
-def test_out_of_range_page_in_use_is_rejected(page):
+def test_out_of_range_page_in_use_is_rejected(page, host_path):
     case = good_case()
     assert case["num_blocks"] == 6
     case["block_tables"][1, 1] = page  # sequence 1 (length 12) reads blocks 0 and 1
@@ -311,7 +330,7 @@ def test_devices_must_agree():
         _call(case)
 
 
-def test_prefill_validation_errors():
+def test_prefill_validation_errors(host_path):
     case = make_prefill_case(16, 4, 2, 64, 8, (9, 12), (3, 12))
     qsl = case["query_start_loc"]
 
@@ -410,11 +429,45 @@ def test_exported_from_package():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str)
 @pytest.mark.parametrize("params", DECODE_GRID[::3], ids=case_id)
 def test_decode_torch_backend_on_cuda(params, dtype):
     case = make_decode_case(18, *params, dtype=dtype, device="cuda")
     assert_close(decode(case, backend="torch"), reference_decode(case))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_decode_torch_backend_long_ragged_batch_on_cuda(dtype):
+    """Long and short sequences together: masked SDPA over thousands of positions, NaN tails."""
+    case = make_decode_case(36, 4, 8, 2, 128, 16, (3000, 1, 777, 2049), dtype=dtype, device="cuda")
+    assert_close(decode(case, backend="torch"), reference_decode(case))
+
+
+def _to_cuda(case: dict) -> dict:
+    return {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overrides,exc,msg", BAD_DECODE, ids=[m for _, _, m in BAD_DECODE])
+def test_decode_validation_errors_on_cuda(overrides, exc, msg):
+    """CUDA tables take the one-copy path: the same errors, word for word."""
+    with pytest.raises(exc) as info:
+        _call(_to_cuda(bad(**overrides)))
+    assert msg in str(info.value)
+
+
+@pytest.mark.gpu
+def test_out_of_range_pages_and_prefill_errors_on_cuda():
+    case = good_case()
+    case["block_tables"] = case["block_tables"].long()
+    case["block_tables"][1, 1] = 2**40
+    with pytest.raises(ValueError, match=r"block_tables\[1, 1\] = 1099511627776 is not a block id"):
+        _call(_to_cuda(case))
+    case = make_prefill_case(16, 4, 2, 64, 8, (9, 12), (3, 12), device="cuda")
+    case["query_start_loc"] = torch.tensor([0, 10, 15], dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match=r"sequence 0 has 10 query .* seq_lens\[0\] = 9"):
+        prefill(case)
 
 
 @pytest.mark.gpu

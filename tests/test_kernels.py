@@ -195,8 +195,14 @@ def test_launcher_refuses_what_the_kernel_cannot_do():
     big = make_decode_case(28, 1, 1, 1, 512, 8, (5,))
     with pytest.raises(ValueError, match="head_size <= 256, got 512"):
         launch(big, "emulator")
-    with pytest.raises(ValueError, match="needs CPU tensors|needs all tensors on one CUDA device"):
-        launch(case, "cupy" if not torch.cuda.is_available() else "emulator")
+    with pytest.raises(ValueError, match="runtime 'cupy' needs all tensors on one CUDA device"):
+        launch(case, "cupy")  # CPU tensors: refused with or without a GPU
+    if torch.cuda.is_available():
+        on_gpu = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
+        with pytest.raises(ValueError, match="runtime 'emulator' needs CPU tensors"):
+            launch(on_gpu, "emulator")
+        with pytest.raises(ValueError, match="runtime 'cupy' needs all tensors on one CUDA device"):
+            launch(dict(on_gpu, seq_lens=case["seq_lens"]), "cupy")  # one tensor left on the CPU
 
 
 def test_launch_config():

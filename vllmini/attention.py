@@ -5,11 +5,13 @@ Prefill (`paged_prefill_attention`): each sequence's new tokens (its last ones, 
 cache) attend causally to everything before them. Token t of sequence s lives at
     key_cache[block_tables[s, t // block_size], t % block_size]    # (num_kv_heads, head_size)
 
-Everything is validated on the host before any backend runs (`validate_decode_args`). The "torch"
-backend here is the naive one: gather the pages into a contiguous tensor, then ordinary attention with
-a float32 softmax. "cupy" (a CUDA kernel on a GPU) and "emulator" (the same CUDA source on the CPU)
-live in `vllmini.cuda_kernels` and are imported only when asked for. "auto" picks "cupy" for CUDA
-tensors of a dtype the kernels take (KERNEL_DTYPES) when CuPy works, else "torch"; never the emulator.
+Everything is validated on the host before any backend runs (`validate_decode_args`): the index
+tensors come to the host in one copy (none for CPU tensors) and are checked there with numpy. The
+"torch" backend here is the naive one: gather the pages into a contiguous tensor, then
+`scaled_dot_product_attention` (float32 softmax for half types) with the padding masked. "cupy" (a
+CUDA kernel on a GPU) and "emulator" (the same CUDA source on the CPU) live in `vllmini.cuda_kernels`
+and are imported only when asked for. "auto" picks "cupy" for CUDA tensors of a dtype the kernels
+take (KERNEL_DTYPES) when CuPy works, else "torch"; never the emulator.
 
 Index dtypes: block_tables, seq_lens and query_start_loc may be int32 (vLLM's choice) or int64; they
 are normalized to contiguous int32. Padding entries of block_tables (past a sequence's length) are
@@ -23,7 +25,9 @@ import importlib
 import math
 from typing import NamedTuple
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 
 from vllmini.kv_cache import _check_cache_pair
 
@@ -98,12 +102,59 @@ def _check_scale(scale, head_size: int) -> float:
     return float(scale)
 
 
-def _check_tables(
-    key_cache: torch.Tensor, block_tables, seq_lens, num_seqs: int
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Check block_tables/seq_lens against the cache; return them as contiguous int32 and max(seq_lens)."""
+def _host_view(*tensors: torch.Tensor) -> list[np.ndarray]:
+    """The index tensors as numpy arrays on the host: CPU tensors viewed without a copy (strides and
+    all), anything else through `_host_copy`."""
+    if all(t.device.type == "cpu" for t in tensors):
+        return [t.numpy() for t in tensors]
+    return _host_copy(*tensors)
+
+
+def _host_copy(*tensors: torch.Tensor) -> list[np.ndarray]:
+    """ONE device->host copy of all the tensors: flattened into one (int64 if any of them is), then
+    `.cpu()` -- one sync, instead of a dozen tiny kernels and a sync per question asked of them."""
+    dtype = torch.int64 if any(t.dtype == torch.int64 for t in tensors) else torch.int32
+    flat = torch.cat([t.reshape(-1).to(dtype) for t in tensors]).cpu().numpy()
+    views, at = [], 0
+    for t in tensors:
+        views.append(flat[at : at + t.numel()].reshape(t.shape))
+        at += t.numel()
+    return views
+
+
+def _check_tables_host(bt: np.ndarray, lens: np.ndarray, num_blocks: int, block_size: int) -> np.ndarray:
+    """Check block tables (S, M) and seq_lens (S,) on the host; return seq_lens as int64 (S,).
+
+    A sequence of length n reads the first ceil(n / block_size) entries of its row; the rest (padding)
+    may hold anything."""
+    max_blocks = bt.shape[1]
+    max_len = max_blocks * block_size
+    lens = lens.astype(np.int64)  # (S,) small copy: no int32 overflow below
+    if lens.min() < 1 or lens.max() > max_len:
+        i = int(((lens < 1) | (lens > max_len)).argmax())
+        raise ValueError(
+            f"seq_lens[{i}] = {int(lens[i])} is out of range: expected 1 .. max_num_blocks_per_seq "
+            f"* block_size = {max_blocks} * {block_size} = {max_len}"
+        )
+    num_used = (lens + block_size - 1) // block_size  # (S,) blocks each sequence reads, >= 1
+    used_cols = bt[:, : int(num_used.max())]  # a view: columns past every sequence's end are padding
+    # viewed as unsigned, a negative id becomes huge, so one compare finds ids outside [0, num_blocks)
+    unsigned = used_cols.view(np.uint32 if used_cols.dtype == np.int32 else np.uint64)
+    out_of_range = unsigned >= num_blocks  # (S, max_used)
+    first = out_of_range.argmax(axis=1)  # (S,) first out-of-range column of each row (0 if none)
+    bad_rows = out_of_range[np.arange(len(first)), first] & (first < num_used)
+    if bad_rows.any():
+        s = int(bad_rows.argmax())
+        j = int(first[s])
+        raise ValueError(
+            f"block_tables[{s}, {j}] = {int(bt[s, j])} is not a block id in [0, {num_blocks}) "
+            f"(sequence {s} has seq_len {int(lens[s])}, so it reads blocks 0..{int(num_used[s]) - 1})"
+        )
+    return lens
+
+
+def _check_table_shapes(key_cache: torch.Tensor, block_tables, seq_lens, num_seqs: int) -> None:
     device = key_cache.device
-    num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
     _check_index_tensor("block_tables", block_tables, "[num_seqs, max_num_blocks_per_seq]", 2, device)
     _check_index_tensor("seq_lens", seq_lens, "[num_seqs]", 1, device)
     if block_tables.shape[0] != num_seqs or block_tables.shape[1] < 1:
@@ -113,32 +164,35 @@ def _check_tables(
         )
     if seq_lens.shape != (num_seqs,):
         raise ValueError(f"seq_lens must be [num_seqs={num_seqs}], got shape {tuple(seq_lens.shape)}")
-    if num_seqs == 0:
-        return block_tables.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous(), 0
 
-    max_blocks = block_tables.shape[1]
-    max_len = max_blocks * block_size
-    lens = seq_lens.to(torch.int64)  # (num_seqs,)
-    bad_len = (lens < 1) | (lens > max_len)
-    num_used = (lens.clamp(1, max_len) + block_size - 1) // block_size  # blocks each sequence reads
-    used = torch.arange(max_blocks, device=device)[None, :] < num_used[:, None]  # (num_seqs, max_blocks)
-    bt = block_tables.to(torch.int64)
-    bad_page = used & ((bt < 0) | (bt >= num_blocks))
-    # one host sync for all checks
-    any_bad_len, any_bad_page, longest = torch.stack([bad_len.any(), bad_page.any(), lens.max()]).tolist()
-    if any_bad_len:
-        i = int(bad_len.nonzero()[0, 0])
-        raise ValueError(
-            f"seq_lens[{i}] = {int(lens[i])} is out of range: expected 1 .. max_num_blocks_per_seq "
-            f"* block_size = {max_blocks} * {block_size} = {max_len}"
-        )
-    if any_bad_page:
-        s, j = (int(x) for x in bad_page.nonzero()[0])
-        raise ValueError(
-            f"block_tables[{s}, {j}] = {int(bt[s, j])} is not a block id in [0, {num_blocks}) "
-            f"(sequence {s} has seq_len {int(lens[s])}, so it reads blocks 0..{int(num_used[s]) - 1})"
-        )
-    return block_tables.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous(), int(longest)
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous int32 (free when it already is)."""
+    return t.to(torch.int32).contiguous()
+
+
+def _validate_decode(query, key_cache, value_cache, block_tables, seq_lens, scale):
+    """validate_decode_args, also returning seq_lens on the host (int64 numpy) for the torch backend."""
+    _check_cache_pair(key_cache, value_cache)
+    _check_query(query, key_cache, "num_seqs")
+    scale = _check_scale(scale, key_cache.shape[3])
+    num_seqs = query.shape[0]
+    _check_table_shapes(key_cache, block_tables, seq_lens, num_seqs)
+    if num_seqs == 0:
+        lens = np.zeros(0, dtype=np.int64)
+    else:
+        bt, lens = _host_view(block_tables, seq_lens)
+        lens = _check_tables_host(bt, lens, key_cache.shape[0], key_cache.shape[1])
+    args = DecodeArgs(
+        query.contiguous(),
+        key_cache.contiguous(),
+        value_cache.contiguous(),
+        _int32(block_tables),
+        _int32(seq_lens),
+        scale,
+        int(lens.max()) if num_seqs else 0,
+    )
+    return args, lens
 
 
 def validate_decode_args(
@@ -152,34 +206,13 @@ def validate_decode_args(
     """Check every decode input (raising ValueError/TypeError that names it) and normalize it.
 
     Returns contiguous copies where needed (a strided cache is copied whole: correct, not fast),
-    int32 block_tables/seq_lens, the resolved scale and max(seq_lens). Needs one host sync.
-    """
-    _check_cache_pair(key_cache, value_cache)
-    _check_query(query, key_cache, "num_seqs")
-    scale = _check_scale(scale, key_cache.shape[3])
-    block_tables, seq_lens, max_seq_len = _check_tables(key_cache, block_tables, seq_lens, query.shape[0])
-    return DecodeArgs(
-        query.contiguous(),
-        key_cache.contiguous(),
-        value_cache.contiguous(),
-        block_tables,
-        seq_lens,
-        scale,
-        max_seq_len,
-    )
+    int32 block_tables/seq_lens, the resolved scale and max(seq_lens). The table checks run on the
+    host: CUDA tables cost one device->host copy (one sync), CPU tables none."""
+    return _validate_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)[0]
 
 
-def validate_prefill_args(
-    query: torch.Tensor,  # (num_tokens, num_heads, head_size)
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # (num_seqs, max_num_blocks_per_seq)
-    seq_lens: torch.Tensor,  # (num_seqs,)
-    query_start_loc: torch.Tensor,  # (num_seqs + 1,)
-    scale: float | None = None,
-) -> PrefillArgs:
-    """Like `validate_decode_args`, plus query_start_loc: starts at 0, ends at num_tokens, and each
-    sequence has 1 .. seq_len new tokens (its last ones)."""
+def _validate_prefill(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale):
+    """validate_prefill_args, also returning seq_lens and query_start_loc on the host (int64 numpy)."""
     _check_cache_pair(key_cache, value_cache)
     _check_query(query, key_cache, "num_tokens")
     scale = _check_scale(scale, key_cache.shape[3])
@@ -193,34 +226,51 @@ def validate_prefill_args(
             f"query_start_loc must be [num_seqs + 1] = [{num_seqs + 1}] (num_seqs from block_tables), "
             f"got shape {tuple(query_start_loc.shape)}"
         )
-    block_tables, seq_lens, max_seq_len = _check_tables(key_cache, block_tables, seq_lens, num_seqs)
-    starts = query_start_loc.tolist()
+    _check_table_shapes(key_cache, block_tables, seq_lens, num_seqs)
+    bt, lens, starts = _host_view(block_tables, seq_lens, query_start_loc)
+    if num_seqs > 0:
+        lens = _check_tables_host(bt, lens, key_cache.shape[0], key_cache.shape[1])
+    lens, starts = lens.astype(np.int64), starts.astype(np.int64)
     num_tokens = query.shape[0]
     if starts[0] != 0 or starts[-1] != num_tokens:
         raise ValueError(
             f"query_start_loc must start at 0 and end at num_tokens={num_tokens}, "
-            f"got {starts[0]} .. {starts[-1]}"
+            f"got {int(starts[0])} .. {int(starts[-1])}"
         )
-    max_query_len = 0
-    for i, n in enumerate(seq_lens.tolist()):
-        q_len = starts[i + 1] - starts[i]
-        if not 1 <= q_len <= n:
-            raise ValueError(
-                f"sequence {i} has {q_len} query tokens (query_start_loc[{i}:{i + 2}] = "
-                f"{starts[i : i + 2]}); expected 1 .. seq_lens[{i}] = {n}"
-            )
-        max_query_len = max(max_query_len, q_len)
-    return PrefillArgs(
+    q_lens = np.diff(starts)  # (S,) new tokens of each sequence
+    bad = (q_lens < 1) | (q_lens > lens)
+    if bad.any():
+        i = int(bad.argmax())
+        raise ValueError(
+            f"sequence {i} has {int(q_lens[i])} query tokens (query_start_loc[{i}:{i + 2}] = "
+            f"{starts[i : i + 2].tolist()}); expected 1 .. seq_lens[{i}] = {int(lens[i])}"
+        )
+    args = PrefillArgs(
         query.contiguous(),
         key_cache.contiguous(),
         value_cache.contiguous(),
-        block_tables,
-        seq_lens,
-        query_start_loc.to(torch.int32).contiguous(),
+        _int32(block_tables),
+        _int32(seq_lens),
+        _int32(query_start_loc),
         scale,
-        max_seq_len,
-        max_query_len,
+        int(lens.max()) if num_seqs else 0,
+        int(q_lens.max()) if num_seqs else 0,
     )
+    return args, lens, starts
+
+
+def validate_prefill_args(
+    query: torch.Tensor,  # (num_tokens, num_heads, head_size)
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # (num_seqs, max_num_blocks_per_seq)
+    seq_lens: torch.Tensor,  # (num_seqs,)
+    query_start_loc: torch.Tensor,  # (num_seqs + 1,)
+    scale: float | None = None,
+) -> PrefillArgs:
+    """Like `validate_decode_args`, plus query_start_loc: starts at 0, ends at num_tokens, and each
+    sequence has 1 .. seq_len new tokens (its last ones). One device->host copy for all three."""
+    return _validate_prefill(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)[0]
 
 
 # ----------------------------------------------------------------------------- the torch backend
@@ -231,43 +281,53 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _decode_torch(a: DecodeArgs) -> torch.Tensor:
-    """Naive paged decode: gather every sequence's tokens (padded to the longest), then attention."""
+def _decode_torch(a: DecodeArgs, min_seq_len: int) -> torch.Tensor:
+    """Naive paged decode: gather every sequence's pages (padded to the longest), then SDPA.
+
+    min_seq_len (known on the host from validation) says which positions may need masking: none when
+    every sequence is equally long, else only positions min_seq_len .. max_seq_len - 1."""
     q, kc, vc = a.query, a.key_cache, a.value_cache
     num_seqs, num_heads, head_size = q.shape
-    num_blocks, block_size, num_kv_heads = kc.shape[:3]
+    block_size, num_kv_heads = kc.shape[1], kc.shape[2]
     group = num_heads // num_kv_heads  # query heads per kv head
-    acc = _acc_dtype(q.dtype)
     L = a.max_seq_len
-    lens = a.seq_lens.long()[:, None]  # (S, 1)
     nb = -(-L // block_size)  # blocks of the longest sequence
-    used = torch.arange(nb, device=q.device)[None, :] * block_size < lens  # (S, nb)
-    pages = torch.where(used, a.block_tables[:, :nb].long(), 0)  # padding entries -> page 0, masked below
-    valid = torch.arange(L, device=q.device)[None, :] < lens  # (S, L)
-    # the gather: copy each sequence's pages out of the pool, one contiguous (S, L, kvh, hs) tensor each
-    # for K and V (indexing dim 0 of the pool copies whole pages: the fastest gather torch has)
-    k = kc[pages].flatten(1, 2)[:, :L]  # (S, nb * block_size, kvh, hs) -> (S, L, kvh, hs)
+    ragged = min_seq_len < L  # some sequences are shorter than the longest: mask their tails
+    lens = a.seq_lens[:, None]  # (S, 1)
+    pages = a.block_tables[:, :nb].long()  # (S, nb)
+    if ragged:  # a shorter sequence's padding entries may hold anything: read page 0 instead (zeroed below)
+        used = torch.arange(nb, device=q.device)[None, :] * block_size < lens  # (S, nb)
+        pages = torch.where(used, pages, 0)
+    # the gather: indexing dim 0 of the pool copies whole pages (the fastest gather torch has)
+    k = kc[pages].flatten(1, 2)[:, :L]  # (S, nb, bs, kvh, hs) -> (S, L, kvh, hs), a view
     v = vc[pages].flatten(1, 2)[:, :L]
-    # slots past a seq_len hold stale data or NaN: their scores become -inf below, and their values
-    # must be zeroed too, because a zero weight times a NaN value is still NaN
-    v = v.masked_fill(~valid[:, :, None, None], 0)
-    k, v = k.to(acc).permute(0, 2, 3, 1), v.to(acc).transpose(1, 2)  # (S, kvh, hs, L), (S, kvh, L, hs)
-    qg = q.view(num_seqs, num_kv_heads, group, head_size).to(acc)  # (S, kvh, G, hs)
-    scores = (qg @ k) * a.scale  # (S, kvh, G, L)
-    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
-    out = torch.softmax(scores, dim=-1) @ v  # (S, kvh, G, hs)
-    return out.reshape(num_seqs, num_heads, head_size).to(q.dtype)
+    mask = None
+    if ragged:
+        # slots past a seq_len hold stale data, NaN or inf. Masking their scores is not enough
+        # (NaN + -inf and 0 * NaN are NaN), so zero them in K and V: only positions >= min_seq_len
+        valid = torch.arange(L, device=q.device)[None, :] < lens  # (S, L)
+        tail = ~valid[:, min_seq_len:, None, None]  # (S, L - min_seq_len, 1, 1)
+        k[:, min_seq_len:].masked_fill_(tail, 0)
+        v[:, min_seq_len:].masked_fill_(tail, 0)
+        mask = valid[:, None, None, :]  # (S, 1, 1, L): True = attend; broadcast over heads and queries
+    # GQA/MQA: the G query heads that share a kv head become G query rows of that one head, so every
+    # kv head is read once (no repeated K/V, any SDPA kernel); MHA is G = 1
+    qg = q.view(num_seqs, num_kv_heads, group, head_size)  # (S, kvh, G, hs)
+    k, v = k.transpose(1, 2), v.transpose(1, 2)  # (S, kvh, L, hs) strided views; SDPA takes them as is
+    # SDPA accumulates in float32 for half types (and keeps float64 in float64)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=a.scale)  # (S, kvh, G, hs)
+    return out.reshape(num_seqs, num_heads, head_size)
 
 
-def _prefill_torch(a: PrefillArgs) -> torch.Tensor:
-    """Naive paged prefill, one sequence at a time: gather its pages, then causal attention."""
+def _prefill_torch(a: PrefillArgs, lens: list[int], starts: list[int]) -> torch.Tensor:
+    """Naive paged prefill, one sequence at a time: gather its pages, then causal attention.
+    lens/starts: seq_lens and query_start_loc as host lists (from validation: no further sync)."""
     q, kc, vc = a.query, a.key_cache, a.value_cache
     num_heads, head_size = q.shape[1], q.shape[2]
     block_size, num_kv_heads = kc.shape[1], kc.shape[2]
     group = num_heads // num_kv_heads
     acc = _acc_dtype(q.dtype)
     out = torch.empty_like(q)
-    starts, lens = a.query_start_loc.tolist(), a.seq_lens.tolist()
     for i, seq_len in enumerate(lens):
         start, end = starts[i], starts[i + 1]
         n = end - start  # new tokens: positions seq_len - n .. seq_len - 1
@@ -336,12 +396,12 @@ def paged_attention(
     """Decode attention through block tables: each sequence's one query token attends to its
     seq_lens[s] cached tokens. backend: "torch", "cupy", "emulator" or "auto" (see module doc)."""
     _check_backend_name(backend)
-    a = validate_decode_args(query, key_cache, value_cache, block_tables, seq_lens, scale)
+    a, lens = _validate_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
     backend = resolve_backend(backend, a.query.device, a.query.dtype)
     if a.query.shape[0] == 0:
         return torch.empty_like(a.query)
     if backend == "torch":
-        return _decode_torch(a)
+        return _decode_torch(a, int(lens.min()))
     cuda_kernels = importlib.import_module("vllmini.cuda_kernels")  # lazy: only kernel users pay for it
     out = torch.empty_like(a.query)
     cuda_kernels.paged_attention_v1(
@@ -369,7 +429,9 @@ def paged_prefill_attention(
             f"paged_prefill_attention supports backend 'torch' (or 'auto'), got {backend!r}; "
             "the CUDA kernels implement decode only"
         )
-    a = validate_prefill_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)
+    a, lens, starts = _validate_prefill(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale
+    )
     if a.query.shape[0] == 0:
         return torch.empty_like(a.query)
-    return _prefill_torch(a)
+    return _prefill_torch(a, lens.tolist(), starts.tolist())
