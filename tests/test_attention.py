@@ -481,3 +481,25 @@ def test_auto_backend_on_cuda_matches_reference():
     for dtype in (torch.float32, torch.float16):
         case = make_decode_case(21, *DECODE_GRID_SMALL[1], dtype=dtype, device="cuda")
         assert_close(decode(case, backend="auto"), reference_decode(case))
+
+
+# ----------------------------------------------------------------------------- validate once, run many
+
+
+def test_check_block_tables_then_validate_false_gives_the_same_answer():
+    from vllmini.attention import check_block_tables
+
+    case = make_decode_case(41, 3, 4, 2, 64, 8, (1, 17, 40))  # ragged, NaN-poisoned padding
+    kc, bt, sl = case["key_cache"], case["block_tables"], case["seq_lens"]
+    assert check_block_tables(bt, sl, kc.shape[0], kc.shape[1]) == 40
+    args = (case["query"], kc, case["value_cache"], bt, sl)
+    checked = paged_attention(*args, backend="torch")
+    unchecked = paged_attention(*args, backend="torch", validate=False)
+    assert torch.isfinite(unchecked).all()
+    torch.testing.assert_close(unchecked, checked, rtol=1e-6, atol=1e-6)
+    bad = bt.clone()
+    bad[1, 0] = kc.shape[0]  # sequence 1 reads block 0 of its row: out of range
+    with pytest.raises(ValueError, match=r"block_tables\[1, 0\]"):
+        check_block_tables(bad, sl, kc.shape[0], kc.shape[1])
+    with pytest.raises(ValueError, match="seq_lens"):
+        check_block_tables(bt, sl.flip(0)[:2], kc.shape[0], kc.shape[1])

@@ -230,3 +230,23 @@ def test_cuda_cache_sized_by_free_memory():
     assert torch.equal(cache.key_caches[0][1, 1], key[2])
     with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
         PagedKVCache(1, 1, 8, 4, gpu_memory_utilization=1.5, device="cuda")
+
+
+def test_check_slot_mapping_and_the_unchecked_write():
+    from vllmini.kv_cache import check_slot_mapping
+
+    assert check_slot_mapping(torch.tensor([3, -1, 5]), 8) is True
+    assert check_slot_mapping(torch.tensor([3, 4, 5], dtype=torch.int32), 8) is False
+    with pytest.raises(ValueError, match=r"slot_mapping\[1\] = -1 .*expected a slot"):
+        check_slot_mapping(torch.tensor([3, -1]), 8, allow_padding=False)
+    with pytest.raises(ValueError, match="slot 4 more than once"):
+        check_slot_mapping(torch.tensor([4, 1, 4]), 8)
+    with pytest.raises(ValueError, match=r"slot_mapping\[0\] = 8"):
+        check_slot_mapping(torch.tensor([8]), 8)
+    kc, vc = torch.full((2, 4, 1, 2), float("nan")), torch.full((2, 4, 1, 2), float("nan"))
+    k, v = torch.randn(3, 1, 2), torch.randn(3, 1, 2)
+    slots = torch.tensor([6, 0, 3])
+    reshape_and_cache(k, v, kc, vc, slots, validate=False)
+    torch.testing.assert_close(kc.view(8, 1, 2)[slots], k)
+    torch.testing.assert_close(vc.view(8, 1, 2)[slots], v)
+    assert torch.isnan(kc.view(8, 1, 2)[[1, 2, 4, 5, 7]]).all()  # nothing else written

@@ -310,6 +310,22 @@ def test_forward_rejects_a_cache_of_the_wrong_shape_or_dtype(checkpoint):
         model(torch.tensor([[1, 2, 3]]), torch.arange(3), PagedKVCache(2, 2, 16, 4, num_blocks=2), meta)
 
 
+def test_forward_checks_slots_and_tables_once_before_writing_anything(checkpoint):
+    """Layers skip their own checks, so the model's one check must catch a bad slot or block id."""
+    model = LlamaModel.from_pretrained(checkpoint, dtype=torch.float32)
+    cache = PagedKVCache(2, 2, 16, 4, num_blocks=2, dtype=torch.float32)
+    for c in cache.key_caches + cache.value_caches:
+        c.fill_(float("nan"))
+    args = (torch.tensor([1, 2, 3]), torch.arange(3))
+    meta, _ = prefill_meta([3], 4, first_block=2)  # block 2 of a 2-block pool: slots 8..10
+    with pytest.raises(ValueError, match=r"slot_mapping\[0\] = 8 is out of range"):
+        model(*args, cache, meta)
+    decode = AttentionMetadata.build([1], torch.tensor([[5]], dtype=torch.int32), [2], [1], 0)
+    with pytest.raises(ValueError, match=r"block_tables\[0, 0\] = 5"):
+        model(torch.tensor([7]), torch.tensor([1]), cache, decode)
+    assert all(torch.isnan(c).all() for c in cache.key_caches + cache.value_caches)  # nothing written
+
+
 def test_attention_metadata_checks_its_lists():
     bt = torch.zeros(2, 1, dtype=torch.int32)
     meta = AttentionMetadata.build([3, 1], bt, [3, 5], [0, 1, 2, 9], 1)

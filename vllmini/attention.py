@@ -153,6 +153,23 @@ def _check_tables_host(bt: np.ndarray, lens: np.ndarray, num_blocks: int, block_
     return lens
 
 
+def check_block_tables(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int, block_size: int
+) -> int:
+    """The host-side block-table checks of `paged_attention`, on their own (one host copy); returns
+    max(seq_lens). For a caller that runs many layers over the same tables (the model, once per
+    forward) and then calls `paged_attention(..., validate=False)` for each layer."""
+    if block_tables.dim() != 2 or seq_lens.shape != (block_tables.shape[0],):
+        raise ValueError(
+            f"block_tables must be [num_seqs, max_num_blocks_per_seq] and seq_lens [num_seqs], got shapes "
+            f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}"
+        )
+    if block_tables.shape[0] == 0:
+        return 0
+    bt, lens = _host_view(block_tables, seq_lens)
+    return int(_check_tables_host(bt, lens, num_blocks, block_size).max())
+
+
 def _check_table_shapes(key_cache: torch.Tensor, block_tables, seq_lens, num_seqs: int) -> None:
     device = key_cache.device
     _check_index_tensor("block_tables", block_tables, "[num_seqs, max_num_blocks_per_seq]", 2, device)
@@ -171,13 +188,28 @@ def _int32(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.int32).contiguous()
 
 
-def _validate_decode(query, key_cache, value_cache, block_tables, seq_lens, scale):
-    """validate_decode_args, also returning seq_lens on the host (int64 numpy) for the torch backend."""
+def _validate_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, check_tables=True):
+    """validate_decode_args, also returning seq_lens on the host (int64 numpy) for the torch backend.
+
+    check_tables=False skips the one host copy and the table checks (the caller ran check_block_tables
+    on these tables already); seq_lens on the host is then None."""
     _check_cache_pair(key_cache, value_cache)
     _check_query(query, key_cache, "num_seqs")
     scale = _check_scale(scale, key_cache.shape[3])
     num_seqs = query.shape[0]
     _check_table_shapes(key_cache, block_tables, seq_lens, num_seqs)
+    if not check_tables:
+        longest = block_tables.shape[1] * key_cache.shape[1]  # an upper bound: the torch path masks
+        args = DecodeArgs(
+            query.contiguous(),
+            key_cache.contiguous(),
+            value_cache.contiguous(),
+            _int32(block_tables),
+            _int32(seq_lens),
+            scale,
+            longest,
+        )
+        return args, None
     if num_seqs == 0:
         lens = np.zeros(0, dtype=np.int64)
     else:
@@ -392,16 +424,21 @@ def paged_attention(
     scale: float | None = None,
     *,
     backend: str = "auto",
+    validate: bool = True,
 ) -> torch.Tensor:  # (num_seqs, num_heads, head_size), query's dtype
     """Decode attention through block tables: each sequence's one query token attends to its
-    seq_lens[s] cached tokens. backend: "torch", "cupy", "emulator" or "auto" (see module doc)."""
+    seq_lens[s] cached tokens. backend: "torch", "cupy", "emulator" or "auto" (see module doc).
+
+    validate=False skips the block-table and seq_lens checks (one host copy and sync per call); only
+    for a caller that checked these same tables with `check_block_tables` first, as the model does once
+    per forward for all its layers. Shapes, dtypes and devices are always checked."""
     _check_backend_name(backend)
-    a, lens = _validate_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
+    a, lens = _validate_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, validate)
     backend = resolve_backend(backend, a.query.device, a.query.dtype)
     if a.query.shape[0] == 0:
         return torch.empty_like(a.query)
     if backend == "torch":
-        return _decode_torch(a, int(lens.min()))
+        return _decode_torch(a, int(lens.min()) if lens is not None else 0)  # 0: mask, lengths unknown
     cuda_kernels = importlib.import_module("vllmini.cuda_kernels")  # lazy: only kernel users pay for it
     out = torch.empty_like(a.query)
     cuda_kernels.paged_attention_v1(

@@ -8,6 +8,7 @@ the layout `vllmini.paged_attention` and the CUDA kernels read.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 _INT_DTYPES = (torch.int32, torch.int64)
@@ -42,12 +43,16 @@ def reshape_and_cache(
     key_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_size)
     value_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_size)
     slot_mapping: torch.Tensor,  # (num_tokens,) int32/int64, -1 = padding (skipped)
+    *,
+    validate: bool = True,
 ) -> None:
     """Write each token's key/value into the cache slot `slot_mapping` gives it, in place.
 
     Everything is checked before anything is written, so a failed call leaves the cache unchanged.
     key/value must already have the cache's dtype (no silent down-casting). Duplicate slots are an
-    error: two tokens cannot own one slot.
+    error: two tokens cannot own one slot. validate=False skips the slot checks (a host copy and sync)
+    for a caller that ran `check_slot_mapping(..., allow_padding=False)` on this same mapping, as the
+    model does once per forward for all its layers; shapes, dtypes and devices are always checked.
     """
     _check_cache_pair(key_cache, value_cache)
     num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
@@ -76,24 +81,35 @@ def reshape_and_cache(
     if slot_mapping.device != key_cache.device:
         raise ValueError(f"slot_mapping is on {slot_mapping.device} but the cache is on {key_cache.device}")
 
-    num_slots = num_blocks * block_size
     slots = slot_mapping.to(torch.int64)
-    bad = (slots < -1) | (slots >= num_slots)
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0, 0])
-        raise ValueError(
-            f"slot_mapping[{i}] = {int(slots[i])} is out of range: expected -1 (skip) or a slot in "
-            f"[0, {num_slots}) (num_blocks {num_blocks} x block_size {block_size})"
-        )
-    keep = slots >= 0
-    slots = slots[keep]
-    if slots.numel() != torch.unique(slots).numel():
-        s, counts = torch.unique(slots, return_counts=True)
-        raise ValueError(f"slot_mapping writes slot {int(s[counts > 1][0])} more than once")
+    if validate:
+        has_padding = check_slot_mapping(slot_mapping, num_blocks * block_size)
+        if has_padding:
+            keep = slots >= 0
+            slots, key, value = slots[keep], key[keep], value[keep]
     # (block, offset) indexing works in place whatever the cache's strides are
     blocks, offsets = slots // block_size, slots % block_size
-    key_cache[blocks, offsets] = key[keep]
-    value_cache[blocks, offsets] = value[keep]
+    key_cache[blocks, offsets] = key
+    value_cache[blocks, offsets] = value
+
+
+def check_slot_mapping(slot_mapping: torch.Tensor, num_slots: int, *, allow_padding: bool = True) -> bool:
+    """Check a slot mapping on the host (one copy): every entry a slot in [0, num_slots) or -1 (padding,
+    only if allow_padding), no slot written twice. Returns whether any -1 is present."""
+    slots = slot_mapping.detach().to("cpu", torch.int64).numpy()
+    low = -1 if allow_padding else 0
+    bad = (slots < low) | (slots >= num_slots)
+    if bad.any():
+        i = int(bad.argmax())
+        expected = "-1 (skip) or a slot" if allow_padding else "a slot"
+        raise ValueError(
+            f"slot_mapping[{i}] = {int(slots[i])} is out of range: expected {expected} in [0, {num_slots})"
+        )
+    kept = slots[slots >= 0]
+    uniq, counts = np.unique(kept, return_counts=True)
+    if len(uniq) != len(kept):
+        raise ValueError(f"slot_mapping writes slot {int(uniq[counts > 1][0])} more than once")
+    return len(kept) != len(slots)
 
 
 class PagedKVCache:

@@ -26,8 +26,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vllmini.attention import paged_attention, paged_prefill_attention
-from vllmini.kv_cache import reshape_and_cache
+from vllmini.attention import check_block_tables, paged_attention, paged_prefill_attention
+from vllmini.kv_cache import check_slot_mapping, reshape_and_cache
 
 ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -259,7 +259,8 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # (T, nkv, hd)
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)  # (T, nkv, hd)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)  # new tokens into their slots
+        # new tokens into their slots; the model checked slot_mapping and block_tables once this forward
+        reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, validate=False)
         out = torch.empty_like(q)  # (T, nh, hd)
         P, n = meta.num_prefill_tokens, meta.num_prefills
         if n:  # only the torch backend has a prefill path
@@ -274,7 +275,13 @@ class Attention(nn.Module):
             )
         if meta.num_decodes:
             out[P:] = paged_attention(
-                q[P:], key_cache, value_cache, meta.block_tables[n:], meta.seq_lens[n:], backend=backend
+                q[P:],
+                key_cache,
+                value_cache,
+                meta.block_tables[n:],
+                meta.seq_lens[n:],
+                backend=backend,
+                validate=False,
             )
         return self.o_proj(out.view(T, self.num_heads * self.head_dim))
 
@@ -356,6 +363,18 @@ class LlamaModel(nn.Module):
                 f"{tuple(input_ids.shape)} and {tuple(positions.shape)}"
             )
         self._check_cache(kv_cache)
+        # Check where this step writes and reads ONCE, on the host, for all layers: each layer's
+        # reshape_and_cache and paged_attention then skip their own checks (a host sync each).
+        num_blocks, block_size = kv_cache.key_caches[0].shape[:2]
+        if meta.slot_mapping.shape != input_ids.shape:
+            raise ValueError(
+                f"meta.slot_mapping must be [num_tokens] = [{input_ids.shape[0]}], "
+                f"got {tuple(meta.slot_mapping.shape)}"
+            )
+        check_slot_mapping(meta.slot_mapping, num_blocks * block_size, allow_padding=False)
+        if meta.num_decodes:
+            n = meta.num_prefills
+            check_block_tables(meta.block_tables[n:], meta.seq_lens[n:], num_blocks, block_size)
         x = self.embed_tokens(input_ids)  # (T, hidden)
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
@@ -381,6 +400,10 @@ class LlamaModel(nn.Module):
             raise ValueError(
                 f"kv_cache has (num_layers, num_kv_heads, head_size, dtype) = {got}; this model needs {want}"
             )
+        shape = kv_cache.key_caches[0].shape  # one check of the slots and tables must hold for every layer
+        for i, (kc, vc) in enumerate(zip(kv_cache.key_caches, kv_cache.value_caches, strict=True)):
+            if kc.shape != shape or vc.shape != shape:
+                raise ValueError(f"layer {i}'s cache is {tuple(kc.shape)}, layer 0's is {tuple(shape)}")
 
     # -------------------------------------------------------------------------
     # loading
