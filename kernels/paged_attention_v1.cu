@@ -34,7 +34,7 @@
 //     coalesced read of the warp (one 16-byte load per lane for float32 and head_size 128), and a
 //     butterfly of __shfl_xor_sync sums the 32 partial dot products. A warp issues the loads of all
 //     TOKENS K rows AND V rows of a step before it needs any of them, so 2 * TOKENS rows per warp are
-//     on their way from memory at once (TOKENS * DIMS = 32: 8 tokens for head_size 128).
+//     on their way from memory at once (TOKENS * DIMS about 32, at most 16 tokens: 8 tokens for head_size 128).
 //   * softmax: each warp keeps an online softmax (running max m, running sum l, and its part of the
 //     weighted sum of V rows in registers), so no array of scores is kept and any context length
 //     works with a fixed amount of memory. K and V are each read once per (sequence, query head).
@@ -57,7 +57,9 @@
 //       online softmax per warp and one cross-warp merge. Reads through the page table on the fly.
 //       float32, float16 and bfloat16 inputs through one template.
 //   v1.1 (this file, same grid, 2026-11-30): lanes own consecutive dims (vector loads), the loop is
-//       compiled per DIMS, and V rows are loaded together with K rows. On an H200, float32
+//       compiled per DIMS, V rows are loaded together with K rows, and float16 is widened by the
+//       GPU's conversion instruction instead of bit twiddling (which made float16 3x slower than
+//       float32 on the H200: the kernel was bound by the conversion instructions, not by memory). On an H200, float32
 //       B=64 H=32 L=4096 D=128 went from 6479 us to the time in benchmarks/RESULTS.md. Still not done:
 //       no split of long sequences over several blocks (v2 in vLLM's terms), no sharing of a KV head
 //       across its query heads.
@@ -78,12 +80,20 @@ struct Float32 {
 struct Float16 {  // IEEE half: 1 sign, 5 exponent (bias 15), 10 mantissa bits
     typedef unsigned short storage;
     static __device__ float to_float(unsigned short h) {
+#ifndef __VLLMINI_EMULATOR__
+        // On a GPU, one conversion instruction (cuda_fp16.h's __half2float does the same; NVRTC in CI
+        // has no CUDA headers, so we name the instruction). The emulator takes the bit-level path below.
+        float f;
+        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+        return f;
+#else
         const unsigned int sign = (unsigned int)(h & 0x8000) << 16;
         const unsigned int rest = h & 0x7fff;  // exponent and mantissa
         if (rest >= 0x7c00) return __uint_as_float(sign | 0x7f800000 | (rest & 0x3ff) << 13);  // inf, NaN
         // Shift the bits into float position (exponent now biased by 127 - 112) and scale by 2^112:
         // exact for normal and subnormal halves alike.
         return __uint_as_float(sign | rest << 13) * 5.192296858534828e33f;
+#endif
     }
 };
 struct BFloat16 {  // the top 16 bits of a float32
@@ -252,7 +262,7 @@ __device__ void paged_attention_v1_impl(
 }
 
 // Pick the copy of the loop compiled for this head size: DIMS = ceil(head_size / 32) dims per lane and
-// TOKENS = 32 / DIMS tokens per step (so every copy keeps about the same number of rows in registers).
+// TOKENS tokens per step, about 32 / DIMS and at most 16 (every copy keeps about as many values in registers).
 template <typename Dtype>
 __device__ void paged_attention_v1_dispatch(
     float* __restrict__ out, const typename Dtype::storage* __restrict__ q,
