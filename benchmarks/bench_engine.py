@@ -35,12 +35,14 @@ Recorded 2026-11-30 (same seeds; batch and memory do not depend on the model or 
               132.44): paged/static 24.6x (paper 18.9x)
   default CPU run (scale 1/4, 500 steps): ShareGPT 7.00 / 31.05 (4.4x), the same as full size.
   one NVIDIA H200, torch 2.11 + CUDA 13, CuPy 14.2, 0.85B-parameter random Llama in bfloat16, decode
-  attention through the CuPy kernel, 600 steps (too few for the long ShareGPT steady state: batch 7.00 vs
-  35.8, KV holding tokens 12.1% vs 96.6%): tokens/s static 252, oracle 778, paged 1261 (ShareGPT);
-  286 / 2537 / 4504 (Alpaca). The step's cost barely depends on the batch (host overhead of about 28 ms
-  per step: 16 layers of validation and launches), so tokens/s follows the batch size.
-  64 ShareGPT-like prompts x 128 new tokens: transformers generate (batched, left-padded) 840 tok/s,
-  vllmini static 249, paged in the same 15,360 slots 1704, paged with room for all 64: 2235.
+  attention through the CuPy kernel, 600 steps (--device cuda --steps 600; too few for the long ShareGPT
+  steady state: KV holding tokens static 12.1% vs paged 96.6%): mean batch static 7.00, oracle 19.09,
+  paged 35.80; tokens/s static 415, oracle 1447, paged 2461 (ShareGPT); 496 / 4291 / 5559 (Alpaca).
+  64 ShareGPT-like prompts x 128 new tokens: transformers generate (batched, left-padded) 712 tok/s,
+  vllmini static 431, paged in the same 15,360 slots 3482, paged with room for all 64: 2652.
+  (An earlier run the same day, before the model checked slots and tables once per forward instead of
+  in every layer, gave paged 1704 tok/s: the per-layer host syncs cost half the step.)
+  benchmarks/RESULTS.md has the tables.
 """
 
 from __future__ import annotations

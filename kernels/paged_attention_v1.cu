@@ -58,8 +58,9 @@
 //       float32, float16 and bfloat16 inputs through one template.
 //   v1.1 (this file, same grid, 2026-11-30): lanes own consecutive dims (vector loads), the loop is
 //       compiled per DIMS, V rows are loaded together with K rows, and float16 is widened by the
-//       GPU's conversion instruction instead of bit twiddling (which made float16 3x slower than
-//       float32 on the H200: the kernel was bound by the conversion instructions, not by memory). On an H200, float32
+//       GPU's conversion instruction instead of bit twiddling (which made float16 up to 3x slower
+//       than float32 on the H200, e.g. 4563 vs 1394 us for B=1 L=32768; now both take ~1250 us).
+//       16-bit inputs are still bound by per-token instructions, not memory: see RESULTS.md. On an H200, float32
 //       B=64 H=32 L=4096 D=128 went from 6479 us to the time in benchmarks/RESULTS.md. Still not done:
 //       no split of long sequences over several blocks (v2 in vLLM's terms), no sharing of a KV head
 //       across its query heads.

@@ -1,0 +1,118 @@
+"""The CUDA kernel alone, its host-side validation, and the public call, timed apart (GPU only).
+
+bench_attention.py times `vllmini.paged_attention` as a user calls it. This script splits that time:
+  raw       cuda_kernels.paged_attention_v1 on inputs validated once, outside the timed region
+  validate  validate_decode_args alone (one device-to-host copy of block_tables + seq_lens)
+  full      vllmini.paged_attention(..., backend="cupy")
+on the ANCHORS.md shapes (a), (d), (e), (f): head size 128, block_size 16, random K/V, random
+non-identity block tables over a pool twice the needed size. Before timing, the raw kernel's output is
+checked against a float64 reference on the first sequences. CUDA events, median of --repeats calls,
+L2 flushed (256 MB written) before every call.
+
+    python benchmarks/bench_kernel.py [--dtype float32|float16|bfloat16] [--repeats 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+import vllmini
+from vllmini import cuda_kernels
+from vllmini.attention import validate_decode_args
+
+SHAPES = {  # name: (batch, query heads, kv heads, context)
+    "(a) B=64 H=32 L=4096": (64, 32, 32, 4096),
+    "(d) B=1 H=32 L=32768": (1, 32, 32, 32768),
+    "(e) GQA B=64 32q/8kv L=4096": (64, 32, 8, 4096),
+    "(f) B=1 H=32 L=4096": (1, 32, 32, 4096),
+}
+
+
+def make_case(batch, heads, kv_heads, context, dtype, head_size=128, block_size=16):
+    blocks_per_seq = context // block_size
+    num_blocks = 2 * batch * blocks_per_seq  # half the pool is never read
+    kc = torch.randn(num_blocks, block_size, kv_heads, head_size, device="cuda", dtype=dtype)
+    vc = torch.randn_like(kc)
+    bt = torch.randperm(num_blocks, device="cuda")[: batch * blocks_per_seq].view(batch, -1).int()
+    sl = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, heads, head_size, device="cuda", dtype=dtype)
+    return q, kc, vc, bt, sl
+
+
+def check(out, q, kc, vc, bt, sl, num_seqs=2) -> float:
+    """Relative L2 error of out[:num_seqs] against a float64 gather-then-softmax reference."""
+    B, H, D = q.shape
+    group = H // kc.shape[2]
+    errs = []
+    for s in range(min(num_seqs, B)):
+        pages = bt[s].long()
+        k = kc[pages].flatten(0, 1)[: int(sl[s])].double()  # (L, kvh, D)
+        v = vc[pages].flatten(0, 1)[: int(sl[s])].double()
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # (L, H, D)
+        p = torch.softmax(torch.einsum("hd,lhd->hl", q[s].double(), k) * D**-0.5, -1)
+        ref = torch.einsum("hl,lhd->hd", p, v)
+        errs.append(float((out[s].double() - ref).norm() / ref.norm()))
+    return max(errs)
+
+
+def time_us(fn, repeats: int, flush: torch.Tensor) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        flush.zero_()  # evict L2: the timed call reads K/V from HBM
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000)
+    return statistics.median(times)
+
+
+def bench_shape(name: str, shape: tuple, dtype: torch.dtype, repeats: int, flush: torch.Tensor) -> str:
+    """Check the kernel on one shape, then time raw / validate / full; returns the table row."""
+    B, H, KVH, L = shape
+    q, kc, vc, bt, sl = make_case(B, H, KVH, L, dtype)
+    a = validate_decode_args(q, kc, vc, bt, sl)
+    out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
+
+    def raw():
+        cuda_kernels.paged_attention_v1(
+            a.query, a.key_cache, a.value_cache, a.block_tables, a.seq_lens, a.scale, out
+        )
+
+    raw()
+    err = check(out, q, kc, vc, bt, sl)
+    if not (torch.isfinite(out).all() and err < (1e-5 if dtype == torch.float32 else 1e-2)):
+        raise SystemExit(f"{name}: kernel output wrong (relative error {err:.2e}); not timing it")
+    t_raw = time_us(raw, repeats, flush)
+    t_val = time_us(lambda: validate_decode_args(q, kc, vc, bt, sl), repeats, flush)
+    t_full = time_us(lambda: vllmini.paged_attention(q, kc, vc, bt, sl, backend="cupy"), repeats, flush)
+    tbs = 2 * B * L * KVH * 128 * kc.element_size() / t_raw / 1e6
+    return f"{name:30} {t_raw:9.1f} {tbs:6.2f} {t_val:12.1f} {t_full:9.1f} {err:8.1e}"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--repeats", type=int, default=30)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_kernel.py needs an NVIDIA GPU with CuPy (see bench_attention.py for CPU)")
+    dtype = getattr(torch, args.dtype)
+    flush = torch.empty(2**26, device="cuda")  # 256 MB, more than the H200's 60 MB of L2
+    print(
+        f"# {torch.cuda.get_device_name()} | {args.dtype} | median of {args.repeats} | head_size 128, bs 16"
+    )
+    print(f"{'shape':30} {'raw us':>9} {'TB/s':>6} {'validate us':>12} {'full us':>9} {'rel err':>8}")
+    for name, shape in SHAPES.items():
+        print(bench_shape(name, shape, dtype, args.repeats, flush), flush=True)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
