@@ -68,14 +68,27 @@ def test_every_public_name_resolves():
 @pytest.mark.slow
 def test_wheel_ships_the_kernels(tmp_path):
     """A regular (non-editable) install must find kernels/*.cu: the wheel carries them as package data."""
+    pip = [sys.executable, "-m", "pip"]
+    wheel_dir, site = tmp_path / "wheel", tmp_path / "site"
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
-        check=True,
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", wheel_dir, ROOT], check=True
     )
-    (wheel,) = tmp_path.glob("vllmini-*.whl")
+    (wheel,) = wheel_dir.glob("vllmini-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     sources = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "kernels").rglob("*.cu"))
     assert sources, "no .cu files under kernels/"
     for src in sources:
         assert f"vllmini/{src}" in names, f"{src} missing from the wheel"
     assert "vllmini/emulator/cuda_emu.h" in names
+    # installed from the wheel (not from this checkout), the package finds its kernels inside itself
+    subprocess.run([*pip, "install", "--no-deps", "-q", "--target", site, wheel], check=True)
+    code = (
+        f"import sys; sys.path.insert(0, {str(site)!r}); import vllmini.cuda_kernels as ck; "
+        "print(ck.kernel_dir()); print(len(ck.read_kernel_source('paged_attention_v1')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path
+    )
+    kernel_dir, length = out.stdout.split()
+    assert Path(kernel_dir) == site / "vllmini" / "kernels"
+    assert int(length) == len((ROOT / "kernels" / "paged_attention_v1.cu").read_text())

@@ -28,10 +28,9 @@ _EXPORTS = {
     "RequestOutput": "engine",
     "LLMEngine": "engine",
 }
-_SUBMODULES = {
-    "errors", "memory", "allocator", "block_table", "kv_cache", "attention", "cuda_kernels",
-    "emulator", "model", "scheduler", "engine", "viz",
-}
+_SUBMODULES = set(
+    "errors memory allocator block_table kv_cache attention cuda_kernels emulator model scheduler engine viz".split()
+)
 
 __all__ = sorted(_EXPORTS)
 
