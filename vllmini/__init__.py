@@ -29,7 +29,8 @@ _EXPORTS = {
     "LLMEngine": "engine",
 }
 _SUBMODULES = set(
-    "errors memory allocator block_table kv_cache attention cuda_kernels emulator model scheduler engine viz".split()
+    "errors memory allocator block_table kv_cache attention cuda_kernels emulator "
+    "model scheduler engine viz".split()
 )
 
 __all__ = sorted(_EXPORTS)
