@@ -92,3 +92,10 @@ def test_wheel_ships_the_kernels(tmp_path):
     kernel_dir, length = out.stdout.split()
     assert Path(kernel_dir) == site / "vllmini" / "kernels"
     assert int(length) == len((ROOT / "kernels" / "paged_attention_v1.cu").read_text())
+
+
+def test_code_is_ruff_clean():
+    """The house style (pyproject.toml's [tool.ruff]) holds for the package, tests, benchmarks and scripts."""
+    dirs = [str(ROOT / d) for d in ("vllmini", "tests", "benchmarks", "scripts")]
+    check = subprocess.run([sys.executable, "-m", "ruff", "check", *dirs], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
