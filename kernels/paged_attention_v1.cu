@@ -132,13 +132,14 @@ __device__ __forceinline__ void load_slice(const typename Dtype::storage* __rest
     }
 }
 
-// This lane's slice of a row: the fast load when the lane owns all DIMS dims, else element by element
-// with a bounds check (head sizes that are not a multiple of 32, e.g. 80; zero past head_size).
-template <typename Dtype, int DIMS>
+// This lane's slice of a row: the fast load when the lane's group covers the row exactly, else element
+// by element with a bounds check (head sizes that are not a multiple of the group, e.g. 80; zero past
+// head_size). `lane` is the lane's index in its group of GROUP lanes.
+template <typename Dtype, int DIMS, int GROUP>
 __device__ __forceinline__ void load_lane(const typename Dtype::storage* __restrict__ row, int lane, int head_size,
                                           float (&x)[DIMS]) {
     const int d0 = lane * DIMS;
-    if (head_size == DIMS * WARP_SIZE) {
+    if (head_size == DIMS * GROUP) {
         load_slice<Dtype, DIMS>(row + d0, x);
     } else {
 #pragma unroll
@@ -146,18 +147,23 @@ __device__ __forceinline__ void load_lane(const typename Dtype::storage* __restr
     }
 }
 
-// Sum of v over the 32 lanes of a warp; every lane gets the total.
-__device__ __forceinline__ float warp_sum(float v) {
+// Sum of v over each aligned group of GROUP lanes (32: the whole warp; 16: each half); every lane of a
+// group gets its group's total. All 32 lanes must call it.
+template <int GROUP>
+__device__ __forceinline__ float group_sum(float v) {
 #pragma unroll
-    for (int offset = WARP_SIZE / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffff, v, offset);
+    for (int offset = GROUP / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffff, v, offset);
     return v;
 }
 
-// Dynamic shared memory, num_warps * (head_size + 2) floats, sized by the launch's shared_mem argument.
+// Dynamic shared memory, (blockDim.x / 16) * (head_size + 2) floats, sized by the launch's shared_mem.
 extern __shared__ float smem[];
 
-// One (sequence, query head) pair; DIMS = dims per lane, TOKENS = tokens a warp handles per step.
-template <typename Dtype, int DIMS, int TOKENS>
+// One (sequence, query head) pair. A group of GROUP lanes holds one token's row (DIMS dims per lane):
+// GROUP = 32 for float32, 16 for 16-bit types, whose rows are half as many bytes -- so a warp works on
+// two tokens at once and every shuffle, exp and page lookup serves two tokens. Each group takes TOKENS
+// consecutive tokens per step; the groups of the block share the sequence in chunks.
+template <typename Dtype, int DIMS, int TOKENS, int GROUP>
 __device__ void paged_attention_v1_impl(
     float* __restrict__ out,                                  // [num_seqs, num_heads, head_size]
     const typename Dtype::storage* __restrict__ query,        // [num_seqs, num_heads, head_size]
@@ -171,56 +177,66 @@ __device__ void paged_attention_v1_impl(
     const int num_kv_heads,
     const int max_num_blocks_per_seq,
     const float scale) {
+    constexpr int GROUPS_PER_WARP = WARP_SIZE / GROUP;
     const int seq = blockIdx.x;
     const int head = blockIdx.y;
     const int kv_head = head / (num_heads / num_kv_heads);
+    const int group = threadIdx.x / GROUP;  // this lane's group in the block
+    const int lane = threadIdx.x % GROUP;   // this lane's place in its group
+    const int num_groups = blockDim.x / GROUP;
     const int warp = threadIdx.x / WARP_SIZE;
-    const int lane = threadIdx.x % WARP_SIZE;
     const int num_warps = blockDim.x / WARP_SIZE;
     const int seq_len = seq_lens[seq];
     float* out_row = out + ((long long)seq * num_heads + head) * head_size;  // (head_size,)
 
     // This lane's slice of the query (zero past head_size).
     float q[DIMS];
-    load_lane<Dtype, DIMS>(query + ((long long)seq * num_heads + head) * head_size, lane, head_size, q);
-    float acc[DIMS];  // this warp's sum of p_t * v_t, for this lane's dims
+    load_lane<Dtype, DIMS, GROUP>(query + ((long long)seq * num_heads + head) * head_size, lane, head_size, q);
+    float acc[DIMS];  // this group's sum of p_t * v_t, for this lane's dims
 #pragma unroll
     for (int i = 0; i < DIMS; i++) acc[i] = 0.0f;
-    float m = -INFINITY;  // running max of this warp's scores
+    float m = -INFINITY;  // running max of this group's scores
     float l = 0.0f;       // running sum of exp(score - m)
 
     const int* table = block_tables + (long long)seq * max_num_blocks_per_seq;  // (max_num_blocks_per_seq,)
     const long long token_stride = (long long)num_kv_heads * head_size;         // next slot in a page
     const long long page_stride = (long long)block_size * token_stride;         // next page
 
-    for (int start = warp * TOKENS; start < seq_len; start += num_warps * TOKENS) {
+    // The loop bound is the same for every lane of a warp (the shuffles need all 32): a warp takes a chunk
+    // of GROUPS_PER_WARP * TOKENS consecutive tokens per step, and its group g the g-th TOKENS of them.
+    constexpr int WARP_STEP = GROUPS_PER_WARP * TOKENS;
+    for (int chunk = warp * WARP_STEP; chunk < seq_len; chunk += num_warps * WARP_STEP) {
+        const int start = chunk + (group % GROUPS_PER_WARP) * TOKENS;  // this group's first token
         // 1) Load the K and V rows of TOKENS consecutive tokens, all before using any. Past the end of
-        //    the sequence a warp re-reads its last real token instead of branching (slots past seq_len
-        //    may hold NaN and are never read); those copies get score -inf and weight 0 below.
+        //    the sequence a group re-reads the last real token instead of branching (slots past seq_len
+        //    may hold NaN and are never read); those copies get score -inf and are skipped below.
         float k[TOKENS][DIMS], v[TOKENS][DIMS];
 #pragma unroll
         for (int u = 0; u < TOKENS; u++) {
             const int t = min(start + u, seq_len - 1);
             const long long page = table[t / block_size];  // the page table lookup
             const long long offset = page * page_stride + (t % block_size) * token_stride + (long long)kv_head * head_size;
-            load_lane<Dtype, DIMS>(key_cache + offset, lane, head_size, k[u]);
-            load_lane<Dtype, DIMS>(value_cache + offset, lane, head_size, v[u]);
+            load_lane<Dtype, DIMS, GROUP>(key_cache + offset, lane, head_size, k[u]);
+            load_lane<Dtype, DIMS, GROUP>(value_cache + offset, lane, head_size, v[u]);
         }
-        // 2) Scores: each lane's partial dot product, then the warp sums each token's 32 partials.
+        // 2) Scores: each lane's partial dot product, then the group sums each token's partials.
         float score[TOKENS];
 #pragma unroll
         for (int u = 0; u < TOKENS; u++) {
             float partial = 0.0f;
 #pragma unroll
             for (int i = 0; i < DIMS; i++) partial += q[i] * k[u][i];
-            score[u] = start + u < seq_len ? warp_sum(partial) * scale : -INFINITY;
+            const float total = group_sum<GROUP>(partial);  // every lane of the warp takes part
+            score[u] = start + u < seq_len ? total * scale : -INFINITY;
         }
-        // 3) Online softmax: raise the running max, rescale what we have, add the new tokens.
-        //    score[0] is always a real token, so m_new is finite and no exp(-inf - -inf) happens.
+        // 3) Online softmax: raise the running max, rescale what we have, add the new tokens. A group
+        //    whose tokens all lie past the end (possible at the tail when a warp holds two groups) has
+        //    m_new = -inf and changes nothing.
         float m_new = m;
 #pragma unroll
         for (int u = 0; u < TOKENS; u++) m_new = fmaxf(m_new, score[u]);
-        const float correction = expf(m - m_new);  // 0 on the first step (m = -inf)
+        if (m_new == -INFINITY) continue;
+        const float correction = expf(m - m_new);  // 0 on the group's first real step (m = -inf)
         l *= correction;
 #pragma unroll
         for (int i = 0; i < DIMS; i++) acc[i] *= correction;
@@ -235,35 +251,37 @@ __device__ void paged_attention_v1_impl(
         m = m_new;
     }
 
-    // 4) Cross-warp merge through shared memory (smem, sized by the launch): [num_warps] maxes,
-    //    [num_warps] sums, [num_warps, head_size] partial outputs.
-    float* warp_max = smem;                  // (num_warps,)
-    float* warp_l = smem + num_warps;        // (num_warps,)
-    float* warp_acc = smem + 2 * num_warps;  // (num_warps, head_size)
+    // 4) Cross-group merge through shared memory (smem, sized by the launch): [num_groups] maxes,
+    //    [num_groups] sums, [num_groups, head_size] partial outputs.
+    float* group_max = smem;                   // (num_groups,)
+    float* group_l = smem + num_groups;        // (num_groups,)
+    float* group_acc = smem + 2 * num_groups;  // (num_groups, head_size)
     if (lane == 0) {
-        warp_max[warp] = m;  // -inf (and l = 0, acc = 0) for a warp that got no tokens
-        warp_l[warp] = l;
+        group_max[group] = m;  // -inf (and l = 0, acc = 0) for a group that got no tokens
+        group_l[group] = l;
     }
 #pragma unroll
     for (int i = 0; i < DIMS; i++) {
         const int d = lane * DIMS + i;
-        if (d < head_size) warp_acc[warp * head_size + d] = acc[i];
+        if (d < head_size) group_acc[group * head_size + d] = acc[i];
     }
-    __syncthreads();  // every warp's partial result is in shared memory
+    __syncthreads();  // every group's partial result is in shared memory
 
     float global_max = -INFINITY;
-    for (int w = 0; w < num_warps; w++) global_max = fmaxf(global_max, warp_max[w]);
+    for (int g = 0; g < num_groups; g++) global_max = fmaxf(global_max, group_max[g]);
     float denom = 0.0f;
-    for (int w = 0; w < num_warps; w++) denom += expf(warp_max[w] - global_max) * warp_l[w];
+    for (int g = 0; g < num_groups; g++) denom += expf(group_max[g] - global_max) * group_l[g];
     for (int d = threadIdx.x; d < head_size; d += blockDim.x) {
         float numer = 0.0f;
-        for (int w = 0; w < num_warps; w++) numer += expf(warp_max[w] - global_max) * warp_acc[w * head_size + d];
+        for (int g = 0; g < num_groups; g++) numer += expf(group_max[g] - global_max) * group_acc[g * head_size + d];
         out_row[d] = numer / denom;
     }
 }
 
-// Pick the copy of the loop compiled for this head size: DIMS = ceil(head_size / 32) dims per lane and
-// TOKENS tokens per step, about 32 / DIMS and at most 16 (every copy keeps about as many values in registers).
+// Pick the copy of the loop compiled for this head size. float32: groups of 32 lanes, DIMS =
+// ceil(head_size / 32) dims per lane, TOKENS tokens per step, about 32 / DIMS and at most 16 (every
+// copy keeps about as many values in registers). 16-bit types: groups of 16 lanes, so DIMS =
+// 2 * ceil(head_size / 32) (one 16-byte load per lane for head_size 128), TOKENS about 32 / DIMS.
 template <typename Dtype>
 __device__ void paged_attention_v1_dispatch(
     float* __restrict__ out, const typename Dtype::storage* __restrict__ q,
@@ -277,22 +295,38 @@ __device__ void paged_attention_v1_dispatch(
         for (int d = threadIdx.x; d < head_size; d += blockDim.x) out_row[d] = NAN;
         return;
     }
-#define VLLMINI_V1_CASE(D, T)                                                                                  \
-    case D:                                                                                                    \
-        paged_attention_v1_impl<Dtype, D, T>(out, q, k_cache, v_cache, block_tables, seq_lens, block_size,     \
-                                             num_heads, head_size, num_kv_heads, max_num_blocks_per_seq, scale); \
-        break;
-    switch ((head_size + WARP_SIZE - 1) / WARP_SIZE) {
-        VLLMINI_V1_CASE(1, 16)
-        VLLMINI_V1_CASE(2, 16)
-        VLLMINI_V1_CASE(3, 8)
-        VLLMINI_V1_CASE(4, 8)
-        VLLMINI_V1_CASE(5, 6)
-        VLLMINI_V1_CASE(6, 5)
-        VLLMINI_V1_CASE(7, 4)
-        VLLMINI_V1_CASE(8, 4)
+#define VLLMINI_IMPL(D, T, G)                                                                                  \
+    paged_attention_v1_impl<Dtype, D, T, G>(out, q, k_cache, v_cache, block_tables, seq_lens, block_size,      \
+                                            num_heads, head_size, num_kv_heads, max_num_blocks_per_seq, scale); \
+    break;
+#define VLLMINI_V1_CASE(D, T) case D: VLLMINI_IMPL(D, T, 32)
+#define VLLMINI_V1_CASE16(D, T) case 2 * D: VLLMINI_IMPL(2 * D, T, 16)
+    if constexpr (sizeof(typename Dtype::storage) == 4) {
+        switch ((head_size + WARP_SIZE - 1) / WARP_SIZE) {
+            VLLMINI_V1_CASE(1, 16)
+            VLLMINI_V1_CASE(2, 16)
+            VLLMINI_V1_CASE(3, 8)
+            VLLMINI_V1_CASE(4, 8)
+            VLLMINI_V1_CASE(5, 6)
+            VLLMINI_V1_CASE(6, 5)
+            VLLMINI_V1_CASE(7, 4)
+            VLLMINI_V1_CASE(8, 4)
+        }
+    } else {
+        switch (2 * ((head_size + WARP_SIZE - 1) / WARP_SIZE)) {  // dims per lane in a group of 16
+            VLLMINI_V1_CASE16(1, 16)
+            VLLMINI_V1_CASE16(2, 8)
+            VLLMINI_V1_CASE16(3, 5)
+            VLLMINI_V1_CASE16(4, 4)
+            VLLMINI_V1_CASE16(5, 3)
+            VLLMINI_V1_CASE16(6, 3)
+            VLLMINI_V1_CASE16(7, 2)
+            VLLMINI_V1_CASE16(8, 2)
+        }
     }
+#undef VLLMINI_V1_CASE16
 #undef VLLMINI_V1_CASE
+#undef VLLMINI_IMPL
 }
 
 // The entry points CuPy and the emulator look up by name, one per element type. The seed's signature,

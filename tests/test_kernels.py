@@ -208,7 +208,8 @@ def test_launcher_refuses_what_the_kernel_cannot_do():
 def test_launch_config():
     grid, block, shared_mem = cuda_kernels.launch_config_v1(3, 8, 128)
     assert grid == (3, 8, 1) and block == (cuda_kernels.NUM_THREADS, 1, 1)
-    assert shared_mem == (cuda_kernels.NUM_THREADS // 32) * (128 + 2) * 4
+    # one (max, sum, head_size partial outputs) record per lane group; 16-bit types use groups of 16 lanes
+    assert shared_mem == (cuda_kernels.NUM_THREADS // 16) * (128 + 2) * 4
 
 
 # ----------------------------------------------------------------------------- validation before launch

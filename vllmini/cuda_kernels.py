@@ -163,8 +163,8 @@ def _emulator_kernel(file: str, function: str):
 
 def launch_config_v1(num_seqs: int, num_heads: int, head_size: int) -> tuple[tuple, tuple, int]:
     """(grid, block, shared_mem bytes) for paged_attention_v1: a block of NUM_THREADS per (seq, head)."""
-    num_warps = NUM_THREADS // WARP_SIZE
-    shared_mem = num_warps * (head_size + 2) * 4  # per-warp max, sum and partial output (float32)
+    num_groups = NUM_THREADS // 16  # lane groups: 32 lanes for float32, 16 for 16-bit types (the most)
+    shared_mem = num_groups * (head_size + 2) * 4  # per-group max, sum and partial output (float32)
     return (num_seqs, num_heads, 1), (NUM_THREADS, 1, 1), shared_mem
 
 
