@@ -10,12 +10,18 @@ checked against a float64 reference on the first sequences. CUDA events, median 
 L2 flushed (256 MB written) before every call.
 
     python benchmarks/bench_kernel.py [--dtype float32|float16|bfloat16] [--repeats 30]
+
+--compare OLD.cu also times another version of the kernel file on the same data, in the same run (the
+fair way to compare versions: timings move by 10-20% between runs on the same GPU), e.g.
+    git show HEAD~3:kernels/paged_attention_v1.cu > /tmp/old.cu
+    python benchmarks/bench_kernel.py --dtype float16 --compare /tmp/old.cu
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+from pathlib import Path
 
 import torch
 
@@ -73,7 +79,9 @@ def time_us(fn, repeats: int, flush: torch.Tensor) -> float:
     return statistics.median(times)
 
 
-def bench_shape(name: str, shape: tuple, dtype: torch.dtype, repeats: int, flush: torch.Tensor) -> str:
+def bench_shape(
+    name: str, shape: tuple, dtype: torch.dtype, repeats: int, flush: torch.Tensor, other: str | None = None
+) -> str:
     """Check the kernel on one shape, then time raw / validate / full; returns the table row."""
     B, H, KVH, L = shape
     q, kc, vc, bt, sl = make_case(B, H, KVH, L, dtype)
@@ -93,13 +101,30 @@ def bench_shape(name: str, shape: tuple, dtype: torch.dtype, repeats: int, flush
     t_val = time_us(lambda: validate_decode_args(q, kc, vc, bt, sl), repeats, flush)
     t_full = time_us(lambda: vllmini.paged_attention(q, kc, vc, bt, sl, backend="cupy"), repeats, flush)
     tbs = 2 * B * L * KVH * 128 * kc.element_size() / t_raw / 1e6
-    return f"{name:30} {t_raw:9.1f} {tbs:6.2f} {t_val:12.1f} {t_full:9.1f} {err:8.1e}"
+    row = f"{name:30} {t_raw:9.1f} {tbs:6.2f} {t_val:12.1f} {t_full:9.1f} {err:8.1e}"
+    if other is not None:  # the other version, same data, checked the same way first
+
+        def raw_other():
+            cuda_kernels.paged_attention_v1(
+                a.query, a.key_cache, a.value_cache, a.block_tables, a.seq_lens, a.scale, out, source=other
+            )
+
+        out.fill_(float("nan"))
+        raw_other()
+        err_other = check(out, q, kc, vc, bt, sl)
+        if not (torch.isfinite(out).all() and err_other < (1e-5 if dtype == torch.float32 else 1e-2)):
+            raise SystemExit(f"{name}: --compare kernel output wrong (relative error {err_other:.2e})")
+        t_other = time_us(raw_other, repeats, flush)
+        t_again = time_us(raw, repeats, flush)  # this version again: the spread of one run
+        row += f" {t_other:10.1f} {t_other / t_raw:6.2f} {t_again:9.1f}"
+    return row
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--compare", metavar="OLD.cu", help="also time this version of the kernel file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernel.py needs an NVIDIA GPU with CuPy (see bench_attention.py for CPU)")
@@ -108,9 +133,11 @@ def main(argv=None) -> None:
     print(
         f"# {torch.cuda.get_device_name()} | {args.dtype} | median of {args.repeats} | head_size 128, bs 16"
     )
-    print(f"{'shape':30} {'raw us':>9} {'TB/s':>6} {'validate us':>12} {'full us':>9} {'rel err':>8}")
+    other = Path(args.compare).read_text() if args.compare else None
+    head = f"{'shape':30} {'raw us':>9} {'TB/s':>6} {'validate us':>12} {'full us':>9} {'rel err':>8}"
+    print(head + (f" {'other us':>10} {'ratio':>6} {'raw again':>9}" if other else ""))
     for name, shape in SHAPES.items():
-        print(bench_shape(name, shape, dtype, args.repeats, flush), flush=True)
+        print(bench_shape(name, shape, dtype, args.repeats, flush, other), flush=True)
         torch.cuda.empty_cache()
 
 

@@ -23,23 +23,26 @@
 //
 // Launch: grid = (num_seqs, num_heads), blockIdx.x = sequence, blockIdx.y = query head (the seed's
 // layout); one thread block per (sequence, head) pair. block = NUM_WARPS * 32 threads (256 in vllmini).
-// head_size is a run-time argument, but each entry point switches once on DIMS (1..8) to a copy of the
-// loop compiled for it, so the per-lane arrays live in registers and the loads can be vectorized.
-// Dynamic shared memory = NUM_WARPS * (head_size + 2) * 4 bytes (the cross-warp merge).
+// head_size is a run-time argument, but each entry point switches once on DIMS to a copy of the loop
+// compiled for it, so the per-lane arrays live in registers and the loads can be vectorized.
+// Dynamic shared memory = (blockDim.x / GROUP) * (head_size + 2) * 4 bytes (the cross-group merge;
+// vllmini passes enough for GROUP = 16).
 //
 // How the block shares the work:
-//   * scores: the tokens are dealt to the warps in chunks of TOKENS consecutive tokens (warp w takes
-//     chunk w, w + NUM_WARPS, ...); inside a warp the 32 lanes split the head dimensions: lane l owns
-//     the DIMS = ceil(head_size / 32) consecutive dims l*DIMS .. l*DIMS+DIMS-1, so one K row is one
-//     coalesced read of the warp (one 16-byte load per lane for float32 and head_size 128), and a
-//     butterfly of __shfl_xor_sync sums the 32 partial dot products. A warp issues the loads of all
-//     TOKENS K rows AND V rows of a step before it needs any of them, so 2 * TOKENS rows per warp are
-//     on their way from memory at once (TOKENS * DIMS about 32, at most 16 tokens: 8 tokens for head_size 128).
-//   * softmax: each warp keeps an online softmax (running max m, running sum l, and its part of the
+//   * scores: a token's row is split over a GROUP of lanes: the whole warp (GROUP = 32) for float32,
+//     half a warp (GROUP = 16) for 16-bit types, whose rows are half as many bytes. Lane l of a group
+//     owns the DIMS consecutive dims l*DIMS .. l*DIMS+DIMS-1 (DIMS = ceil(head_size / 32) for float32,
+//     twice that for 16-bit), so one row is one coalesced read (one 16-byte load per lane for
+//     head_size 128), and a butterfly of __shfl_xor_sync sums the group's partial dot products.
+//     The tokens are dealt to the warps in chunks (warp w takes chunk w, w + NUM_WARPS, ...), each
+//     group of the warp TOKENS consecutive tokens of it. A group issues the loads of all its TOKENS
+//     K rows AND V rows of a step before it needs any of them, so many rows per warp are on their way
+//     from memory at once (TOKENS * DIMS is about 32: 8 tokens per warp step for head_size 128).
+//   * softmax: each group keeps an online softmax (running max m, running sum l, and its part of the
 //     weighted sum of V rows in registers), so no array of scores is kept and any context length
 //     works with a fixed amount of memory. K and V are each read once per (sequence, query head).
-//   * output: the warps write (m, l, acc) to shared memory, and after one __syncthreads() the threads
-//     split the head dimensions to merge them: out = sum_w e^(m_w - M) acc_w / sum_w e^(m_w - M) l_w.
+//   * output: the groups write (m, l, acc) to shared memory, and after one __syncthreads() the threads
+//     split the head dimensions to merge them: out = sum_g e^(m_g - M) acc_g / sum_g e^(m_g - M) l_g.
 //
 // Build: the file is plain CUDA C++ with no includes. vllmini.cuda_kernels compiles it with NVRTC
 // through cupy.RawModule (GPU) or runs it on the CPU with vllmini.emulator.RawKernel; the CI test
@@ -52,18 +55,20 @@
 // GQA: each query head is its own thread block, so a KV head is read num_heads / num_kv_heads times
 // (from L2 when lucky) -- the price of the simple grid.
 //
-// Versions:
-//   v1 (this file): one thread block per (sequence, query head), warp-per-token scores with an
-//       online softmax per warp and one cross-warp merge. Reads through the page table on the fly.
-//       float32, float16 and bfloat16 inputs through one template.
-//   v1.1 (this file, same grid, 2026-11-30): lanes own consecutive dims (vector loads), the loop is
-//       compiled per DIMS, V rows are loaded together with K rows, and float16 is widened by the
-//       GPU's conversion instruction instead of bit twiddling (which made float16 up to 3x slower
-//       than float32 on the H200, e.g. 4563 vs 1394 us for B=1 L=32768; now both take ~1250 us).
-//       16-bit inputs are still bound by per-token instructions, not memory: see RESULTS.md. On an H200, float32
-//       B=64 H=32 L=4096 D=128 went from 6479 us to the time in benchmarks/RESULTS.md. Still not done:
-//       no split of long sequences over several blocks (v2 in vLLM's terms), no sharing of a KV head
-//       across its query heads.
+// Versions (all in this file; `git log -p kernels/paged_attention_v1.cu` shows each change; times are
+// the kernel alone on an H200, benchmarks/bench_kernel.py, recorded in benchmarks/RESULTS.md):
+//   v1: one thread block per (sequence, query head), a warp per token for the scores (lane l owns dims
+//       l, l+32, ...), an online softmax per warp and one cross-warp merge; float32, float16 and
+//       bfloat16 through one template. float32 B=64 H=32 L=4096: 6479 us (1.3 TB/s).
+//   v1.1: lanes own consecutive dims (16-byte loads), the loop compiled per DIMS, a step's V rows loaded
+//       with its K rows, float16 widened by the GPU's conversion instruction instead of bit twiddling.
+//       float32 B=64 H=32 L=4096: about 2000 us (4.3 TB/s, the measured read bandwidth).
+//   v1.2 (now): 16-bit types in groups of 16 lanes, two tokens per warp, so each shuffle, exp and page
+//       lookup serves two tokens. Measured side by side with v1.1: 1.5-1.8x faster for one long
+//       sequence (B=1), but 0-17% slower for the batched shapes (B=64, MHA and GQA), which stay at
+//       2.4-2.7 TB/s: 16-bit inputs are still bound by per-token instructions, not by memory.
+//   Not done yet: splitting long sequences over several blocks (vLLM's v2), one block per KV head under
+//   GQA (each KV head is now read once per query head, from L2 when lucky).
 
 #define WARP_SIZE 32
 #define MAX_HEAD_SIZE 256

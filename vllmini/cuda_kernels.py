@@ -121,18 +121,19 @@ def compile_for_arch(
 # ----------------------------------------------------------------------------- kernels for each runtime
 
 
-def _cupy_kernel(file: str, function: str, device: int):
-    """cupy.RawKernel for kernels/<file>.cu::function on a device; the file is compiled once per device."""
-    if (file, function, device) not in _cupy_kernels:
+def _cupy_kernel(file: str, function: str, device: int, source: str | None = None):
+    """cupy.RawKernel for kernels/<file>.cu::function on a device; the file is compiled once per device.
+    `source` replaces the file's text (benchmarks comparing kernel versions); cached under its own key."""
+    key = file if source is None else f"{file}@{hash(source)}"
+    if (key, function, device) not in _cupy_kernels:
         import cupy
 
         with cupy.cuda.Device(device):
-            if (file, device) not in _cupy_modules:
-                _cupy_modules[file, device] = cupy.RawModule(
-                    code=read_kernel_source(file), options=NVRTC_OPTIONS
-                )
-            _cupy_kernels[file, function, device] = _cupy_modules[file, device].get_function(function)
-    return _cupy_kernels[file, function, device]
+            if (key, device) not in _cupy_modules:
+                code = read_kernel_source(file) if source is None else source
+                _cupy_modules[key, device] = cupy.RawModule(code=code, options=NVRTC_OPTIONS)
+            _cupy_kernels[key, function, device] = _cupy_modules[key, device].get_function(function)
+    return _cupy_kernels[key, function, device]
 
 
 def _torch_stream(device: torch.device):
@@ -177,12 +178,16 @@ def paged_attention_v1(
     scale: float,
     out: torch.Tensor,  # [num_seqs, num_heads, head_size], written
     runtime: str = "cupy",
+    *,
+    source: str | None = None,
 ) -> torch.Tensor:
     """Launch kernels/paged_attention_v1.cu on validated, contiguous inputs; fills and returns out.
 
     query and caches float32, float16 or bfloat16 (out in the same dtype; the kernel computes in float32).
-    runtime "cupy" needs CUDA tensors, "emulator" CPU tensors. Checks only what the kernel itself
-    cannot survive (dtype, head size, grid size, contiguity); vllmini.paged_attention checks the rest.
+    runtime "cupy" needs CUDA tensors, "emulator" CPU tensors. `source` (cupy only) launches another
+    version of the file's text with the same arguments, for benchmarks that compare versions. Checks only
+    what the kernel itself cannot survive (dtype, head size, grid size, contiguity);
+    vllmini.paged_attention checks the rest.
     """
     if runtime not in RUNTIMES:
         raise ValueError(f"runtime must be one of {RUNTIMES}, got {runtime!r}")
@@ -232,7 +237,7 @@ def paged_attention_v1(
     ]
     ints = [np.int32(x) for x in (block_size, num_heads, head_size, num_kv_heads, max_num_blocks_per_seq)]
     if runtime == "cupy":
-        kernel = _cupy_kernel("paged_attention_v1", function, query.device.index)
+        kernel = _cupy_kernel("paged_attention_v1", function, query.device.index, source)
         pointers = [t.data_ptr() for t in (out32, *inputs, block_tables, seq_lens)]
         import cupy
 
