@@ -14,8 +14,11 @@ PYTEST_ARGS ?=
 
 .PHONY: course test setup lint clean gpu-check
 
+# as root (containers, cloud machines) JupyterLab refuses to start without --allow-root
+JUPYTER_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root,)
+
 course: $(STAMP)
-	$(VENV)/bin/jupyter lab notebooks
+	$(VENV)/bin/jupyter lab notebooks $(JUPYTER_ARGS)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest --nbval --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanitize.cfg \
