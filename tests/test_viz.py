@@ -274,3 +274,20 @@ def test_explorer_methods_can_be_called_directly():
     e.free(0)  # already gone: an error message, not an exception
     assert "unknown seq_id 0" in e.last_error
     assert e.add_sequence(1) == 2  # ids are never reused, so colours stay put
+
+
+def test_explorer_displays_its_widget_with_a_text_hint(monkeypatch):
+    """In JupyterLab the widget view renders; a saved, unrun notebook shows a hint, not VBox(...)."""
+    import IPython.display
+
+    from vllmini.viz import PageTableExplorer
+
+    shown = []
+    monkeypatch.setattr(IPython.display, "display", lambda obj, raw=False: shown.append((obj, raw)))
+    explorer = PageTableExplorer(num_blocks=8, block_size=4)
+    explorer.display()
+    ((bundle, raw),) = shown
+    assert raw is True
+    assert bundle["application/vnd.jupyter.widget-view+json"]["model_id"] == explorer.widget.model_id
+    assert bundle["text/plain"].startswith("PageTableExplorer(8 blocks of 4)")
+    assert "(-)" in explorer.status_text()  # nothing allocated: no made-up 100%

@@ -411,10 +411,11 @@ class PageTableExplorer:
         u = self.manager.utilization()
         free = list(self.manager.allocator.free_block_ids)
         head = f"error: {self.last_error}" if self.last_error else self.last_action
+        share = f"{u['token_utilization']:.0%}" if u["allocated_slots"] else "-"  # nothing allocated yet
         return (
             f"{head}\nfree list: {free} | used {u['used_blocks']}/{self.num_blocks} blocks | "
             f"{u['num_tokens']} tokens in {u['allocated_slots']} allocated slots "
-            f"({u['token_utilization']:.0%}) | pool {u['pool_utilization']:.0%}"
+            f"({share}) | pool {u['pool_utilization']:.0%}"
         )
 
     def refresh(self) -> None:
@@ -433,9 +434,13 @@ class PageTableExplorer:
         self.image.value = buf.getvalue()
 
     def display(self) -> None:
+        """Show the widget; where widgets cannot render (a saved notebook not yet run), a short hint
+        stands in for the raw VBox(...) repr."""
         from IPython.display import display
 
-        display(self.widget)
+        view = {"model_id": self.widget.model_id, "version_major": 2, "version_minor": 0}
+        hint = f"PageTableExplorer({self.num_blocks} blocks of {self.block_size}): run this cell to use it"
+        display({"application/vnd.jupyter.widget-view+json": view, "text/plain": hint}, raw=True)
 
     def _ipython_display_(self) -> None:
         self.display()
