@@ -18,6 +18,7 @@ from vllmini.model import LlamaModel
 from vllmini.scheduler import Scheduler, Sequence, SequenceStatus
 
 transformers = pytest.importorskip("transformers")
+from llama_cases import LLAMA3_ROPE, random_hf_model  # noqa: E402 (needs transformers)
 
 TIE = 1e-4
 MAX_TOKENS = 16
@@ -26,29 +27,9 @@ PROMPT_LENS = (1, 3, 4, 5, 8, 9, 16, 17)  # around block boundaries of block_siz
 
 @pytest.fixture(scope="module")
 def hf():
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-        rope_theta=500.0,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 4.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 32,
-        },
-        initializer_range=0.1,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    return transformers.LlamaForCausalLM(cfg).eval()
+    # longer contexts than test_model's: rope scaling starts at 32 positions, by a factor of 4
+    rope = {**LLAMA3_ROPE, "factor": 4.0, "original_max_position_embeddings": 32}
+    return random_hf_model(0, max_position_embeddings=128, rope_scaling=rope)
 
 
 @pytest.fixture(scope="module")
