@@ -13,6 +13,14 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "VllminiError": "errors",
     "OutOfBlocksError": "errors",
+    "InvalidArgumentError": "errors",
+    "InvalidTypeError": "errors",
+    "BlockIdError": "errors",
+    "CheckpointError": "errors",
+    "KernelBuildError": "errors",
+    "KernelLaunchError": "errors",
+    "InvalidBlockTableError": "errors",
+    "EngineStateError": "errors",
     "BlockAllocator": "allocator",
     "BlockTable": "block_table",
     "BlockManager": "block_table",
@@ -29,7 +37,7 @@ _EXPORTS = {
     "LLMEngine": "engine",
 }
 _SUBMODULES = set(
-    "errors memory allocator block_table kv_cache attention cuda_kernels emulator "
+    "errors checks memory allocator block_table kv_cache attention cuda_kernels emulator "
     "model scheduler engine viz".split()
 )
 

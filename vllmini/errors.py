@@ -1,9 +1,58 @@
-"""The package's exceptions: one base class, so callers can catch everything vllmini raises on purpose."""
+"""The package's exceptions: one base class, so callers can catch everything vllmini raises on purpose.
+
+Each subclass also derives from the builtin that code outside vllmini would expect, so `except ValueError`
+(or TypeError, IndexError, ...) keeps working:
+
+    VllminiError
+    ├── InvalidArgumentError   (ValueError)     a value out of range, a wrong shape, an unknown option
+    ├── InvalidTypeError       (TypeError)      a wrong type or dtype
+    ├── BlockIdError           (IndexError)     a block id outside the pool, or one not allocated
+    ├── OutOfBlocksError                        the pool has no free block left for the request
+    ├── CheckpointError        (ValueError)     a checkpoint, config or tokenizer file that cannot be read
+    ├── KernelBuildError       (RuntimeError)   a .cu file that does not compile (NVRTC or the emulator)
+    ├── KernelLaunchError      (RuntimeError)   a launch that failed, hung, or was stopped
+    ├── InvalidBlockTableError (ValueError)     a bad page id seen by the GPU's in-kernel guard
+    └── EngineStateError       (RuntimeError)   an engine call that does not fit its current state
+
+Programming errors inside the package (broken invariants no caller can cause) stay plain `assert`s.
+"""
 
 
 class VllminiError(Exception):
     """Base class of every error vllmini raises on purpose."""
 
 
+class InvalidArgumentError(VllminiError, ValueError):
+    """A value out of range, a wrong shape, or an unknown option."""
+
+
+class InvalidTypeError(VllminiError, TypeError):
+    """An argument of the wrong type or dtype."""
+
+
+class BlockIdError(VllminiError, IndexError):
+    """A block id outside the pool, or one that is not allocated."""
+
+
 class OutOfBlocksError(VllminiError):
     """The block pool has no free block left for the request."""
+
+
+class CheckpointError(VllminiError, ValueError):
+    """A checkpoint, config or tokenizer file that is missing or cannot be read; the message names it."""
+
+
+class KernelBuildError(VllminiError, RuntimeError):
+    """A CUDA source that does not compile, for NVRTC or for the CPU emulator."""
+
+
+class KernelLaunchError(VllminiError, RuntimeError):
+    """A kernel launch that failed, hung past its time limit, or was interrupted."""
+
+
+class InvalidBlockTableError(VllminiError, ValueError):
+    """A block table entry outside the pool, found on the GPU by the in-kernel guard (no host sync)."""
+
+
+class EngineStateError(VllminiError, RuntimeError):
+    """An engine call that does not fit the engine's current state (e.g. generate() on a busy engine)."""

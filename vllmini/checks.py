@@ -1,0 +1,100 @@
+"""The argument checks every public entry point shares, and the one home of small shared formulas.
+
+Each check returns the cleaned value (a Python int, a float, a tensor) or raises a VllminiError subclass
+whose message names the argument, the bad value and what was expected. numpy and torch integer scalars
+count as ints (as `operator.index` says); `True`/`False` and floats do not.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+from vllmini.errors import InvalidArgumentError, InvalidTypeError
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division for non-negative a and positive b: the blocks needed for a tokens."""
+    return -(-a // b)
+
+
+def as_int(value, name: str, *, min: int | None = None, max: int | None = None) -> int:  # noqa: A002
+    """`value` as a Python int within [min, max] (either bound optional)."""
+    if isinstance(value, bool):
+        raise InvalidTypeError(f"{name} must be an int, got bool {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise InvalidTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+    if min is not None and value < min:
+        raise InvalidArgumentError(f"{name} must be >= {min}, got {value}")
+    if max is not None and value > max:
+        raise InvalidArgumentError(f"{name} must be <= {max}, got {value}")
+    return value
+
+
+def as_float(
+    value,
+    name: str,
+    *,
+    min: float | None = None,
+    max: float | None = None,
+    finite: bool = True,  # noqa: A002
+) -> float:
+    """`value` (any real number but a bool) as a Python float within [min, max]."""
+    if isinstance(value, bool) or not hasattr(value, "__float__") or isinstance(value, (str, bytes)):
+        raise InvalidTypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise InvalidTypeError(f"{name} must be a real number, got {value!r}") from None
+    if finite and not math.isfinite(value):
+        raise InvalidArgumentError(f"{name} must be finite, got {value}")
+    if min is not None and not value >= min:
+        raise InvalidArgumentError(f"{name} must be >= {min}, got {value}")
+    if max is not None and not value <= max:
+        raise InvalidArgumentError(f"{name} must be <= {max}, got {value}")
+    return value
+
+
+def one_of(value, name: str, choices) -> object:
+    """`value` if it is one of `choices`, else an error listing them."""
+    if value not in choices:
+        raise InvalidArgumentError(f"{name} must be one of {tuple(choices)}, got {value!r}")
+    return value
+
+
+def check_tensor(
+    t,
+    name: str,
+    *,
+    ndim: int | None = None,
+    dtypes=None,
+    device=None,
+    shape: tuple | None = None,
+    shape_desc: str | None = None,
+):
+    """`t` if it is a torch.Tensor with the given ndim, one of `dtypes`, on `device`, and of `shape`
+    (None entries match any size). `shape_desc` names the expected layout in messages, e.g.
+    "[num_seqs, num_heads, head_size]"."""
+    import torch
+
+    desc = f" {shape_desc}" if shape_desc else ""
+    if not isinstance(t, torch.Tensor):
+        raise InvalidTypeError(f"{name} must be a torch.Tensor{desc}, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise InvalidArgumentError(f"{name} must be {ndim}-D{desc}, got shape {tuple(t.shape)}")
+    if dtypes is not None:
+        dtypes = (dtypes,) if isinstance(dtypes, torch.dtype) else tuple(dtypes)
+        if t.dtype not in dtypes:
+            want = dtypes[0] if len(dtypes) == 1 else f"one of {list(dtypes)}"
+            raise InvalidTypeError(f"{name} must be {want}, got {t.dtype}")
+    if device is not None and t.device != torch.device(device):
+        raise InvalidArgumentError(f"{name} must be on {device}, got {t.device}")
+    if shape is not None:
+        if t.dim() != len(shape) or any(
+            w is not None and s != w for s, w in zip(t.shape, shape, strict=False)
+        ):
+            want = tuple("*" if w is None else w for w in shape)
+            raise InvalidArgumentError(f"{name} must have shape {want}{desc}, got {tuple(t.shape)}")
+    return t
