@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllmini import BlockAllocator, OutOfBlocksError, VllminiError
+from vllmini import BlockAllocator, BlockIdError, OutOfBlocksError, VllminiError
 
 
 def state(a: BlockAllocator):
@@ -39,6 +39,20 @@ def test_non_int_pool_is_rejected(n):
 
 def test_numpy_int_pool_size_is_fine():
     assert BlockAllocator(np.int64(3)).num_blocks == 3
+    with pytest.raises(TypeError, match="num_blocks must be an int, got bool"):
+        BlockAllocator(np.True_)
+
+
+def test_huge_pool_is_lazy():
+    """10**12 blocks: ids never handed out are implicit, so construction and O(1) calls cost nothing."""
+    a = BlockAllocator(10**12)
+    assert [a.allocate() for _ in range(3)] == [0, 1, 2]
+    a.free(1)
+    assert a.allocate() == 1 and a.allocate() == 3  # last freed first, then the never-used ids in order
+    assert a.num_free_blocks == 10**12 - 4 and a.num_used_blocks == 4
+    assert a.ref_count(10**12 - 1) == 0
+    with pytest.raises(BlockIdError, match="unknown block id 1000000000000"):
+        a.ref_count(10**12)
 
 
 def test_repr_names_the_pool():
@@ -64,7 +78,11 @@ def test_allocate_from_empty_pool_raises_and_changes_nothing():
     with pytest.raises(OutOfBlocksError, match="all 2 blocks"):
         a.allocate()
     assert state(a) == before
-    assert issubclass(OutOfBlocksError, VllminiError)
+    assert (
+        issubclass(OutOfBlocksError, VllminiError)
+        and issubclass(BlockIdError, VllminiError)
+        and issubclass(BlockIdError, IndexError)
+    )
 
 
 def test_free_returns_block_and_it_is_reused_first():
@@ -89,7 +107,7 @@ def test_free_unknown_block_raises_and_changes_nothing(bad):
     a = BlockAllocator(4)
     a.allocate()
     before = state(a)
-    with pytest.raises(VllminiError, match=f"unknown block id {bad}"):
+    with pytest.raises(BlockIdError, match=f"unknown block id {bad}"):
         a.free(bad)
     assert state(a) == before
 
@@ -99,9 +117,9 @@ def test_double_free_raises_and_changes_nothing():
     b = a.allocate()
     a.free(b)
     before = state(a)
-    with pytest.raises(VllminiError, match="free"):
+    with pytest.raises(BlockIdError, match="free"):
         a.free(b)
-    with pytest.raises(VllminiError, match="block 2"):
+    with pytest.raises(BlockIdError, match="block 2"):
         a.free(2)  # never allocated
     assert state(a) == before
 
@@ -136,15 +154,15 @@ def test_incref_needs_one_free_per_owner():
 def test_incref_of_free_or_unknown_block_raises():
     a = BlockAllocator(2)
     before = state(a)
-    with pytest.raises(VllminiError, match="cannot incref block 0"):
+    with pytest.raises(BlockIdError, match="cannot incref block 0"):
         a.incref(0)
-    with pytest.raises(VllminiError, match="unknown block id 7"):
+    with pytest.raises(BlockIdError, match="unknown block id 7"):
         a.incref(7)
     assert state(a) == before
 
 
 def test_ref_count_of_unknown_block_raises():
-    with pytest.raises(VllminiError, match="unknown block id 3"):
+    with pytest.raises(BlockIdError, match="unknown block id 3"):
         BlockAllocator(3).ref_count(3)
 
 
@@ -164,9 +182,9 @@ def test_fork_is_all_or_nothing():
     a.allocate()
     a.allocate()
     before = state(a)
-    with pytest.raises(VllminiError, match="cannot fork block 3"):
+    with pytest.raises(BlockIdError, match="cannot fork block 3"):
         a.fork([0, 1, 3])
-    with pytest.raises(VllminiError, match="unknown block id 9"):
+    with pytest.raises(BlockIdError, match="unknown block id 9"):
         a.fork([0, 9])
     assert state(a) == before
 
@@ -181,6 +199,7 @@ def test_fork_is_all_or_nothing():
 def test_random_operations_match_a_model(num_blocks, ops):
     a = BlockAllocator(num_blocks)
     refs = {}  # block -> ref count, only allocated blocks
+    stack = list(range(num_blocks - 1, -1, -1))  # an eager free list: the next block sits at the end
     for op, b in ops:
         before = state(a)
         if op == "alloc":
@@ -190,7 +209,7 @@ def test_random_operations_match_a_model(num_blocks, ops):
                 assert state(a) == before
             else:
                 new = a.allocate()
-                assert new not in refs
+                assert new not in refs and new == stack.pop()  # same order as an eager free list
                 refs[new] = 1
         elif b in refs:
             if op == "free":
@@ -198,14 +217,16 @@ def test_random_operations_match_a_model(num_blocks, ops):
                 refs[b] -= 1
                 if refs[b] == 0:
                     del refs[b]
+                    stack.append(b)
             else:
                 a.incref(b)
                 refs[b] += 1
         else:
-            with pytest.raises(VllminiError):
+            with pytest.raises(BlockIdError):
                 getattr(a, op)(b)
             assert state(a) == before
         free = a.free_block_ids
+        assert free == tuple(reversed(stack)) and a.num_free_blocks == len(stack)
         assert len(set(free)) == len(free) == num_blocks - len(refs)
         assert set(free).isdisjoint(refs)
         assert [a.ref_count(x) for x in range(num_blocks)] == [refs.get(x, 0) for x in range(num_blocks)]

@@ -1,6 +1,7 @@
 """Tests for vllmini.block_table: BlockTable (one page table) and BlockManager (many), plus a
 hypothesis state machine that drives many sequences and checks the whole pool after every step."""
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import assume
@@ -8,6 +9,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from vllmini import BlockAllocator, BlockManager, BlockTable, OutOfBlocksError, VllminiError
+from vllmini.block_table import block_fill
+from vllmini.errors import InvalidArgumentError, InvalidIndexError
 
 
 def table_state(t: BlockTable):
@@ -98,7 +101,7 @@ def test_block_ids_is_a_copy():
 def test_slot_out_of_range_raises_index_error(i):
     t = BlockTable(BlockAllocator(4), 4)
     t.append_tokens(5)
-    with pytest.raises(IndexError, match=f"token_index {i}"):
+    with pytest.raises(InvalidIndexError, match=f"token_index {i}"):
         t.slot(i)
 
 
@@ -106,7 +109,7 @@ def test_slot_out_of_range_raises_index_error(i):
 def test_slot_mapping_bad_range_raises(start, end):
     t = BlockTable(BlockAllocator(4), 4)
     t.append_tokens(5)
-    with pytest.raises(IndexError, match="start"):
+    with pytest.raises(InvalidIndexError, match="start"):
         t.slot_mapping(start, end)
 
 
@@ -259,7 +262,7 @@ def test_allocate_twice_and_unknown_ids_raise():
     m = BlockManager(4, 2)
     m.allocate(1, 3)
     before = manager_state(m)
-    with pytest.raises(VllminiError, match="seq_id 1 already exists"):
+    with pytest.raises(InvalidArgumentError, match="seq_id 1 already exists"):
         m.allocate(1, 1)
     for call in (
         lambda: m.append(7),
@@ -271,9 +274,9 @@ def test_allocate_twice_and_unknown_ids_raise():
         lambda: m.slot_mapping(7),
         lambda: m.build_block_tables([1, 7]),
     ):
-        with pytest.raises(VllminiError, match="unknown seq_id 7"):
+        with pytest.raises(InvalidArgumentError, match="unknown seq_id 7"):
             call()
-    with pytest.raises(VllminiError, match="seq_id 1 already exists"):
+    with pytest.raises(InvalidArgumentError, match="seq_id 1 already exists"):
         m.fork(1, 1)
     assert manager_state(m) == before
 
@@ -343,6 +346,24 @@ def test_utilization():
     m.append(2, 1)  # copy-on-write: the copy holds 2 tokens (1 copied + 1 new), the original keeps 1
     u = m.utilization()
     assert (u["num_tokens"], u["used_blocks"]) == (11, 4)
+
+
+def test_block_fill_counts_each_physical_block_once():
+    # seq A: 5 tokens in blocks 3, 0; seq B (a fork of A grown to 6) shares block 3, owns block 1
+    assert block_fill([([3, 0], 5), ([3, 1], 6)], 4) == {3: 4, 0: 1, 1: 2}
+    assert block_fill([], 4) == {} and block_fill([([], 0)], 4) == {}
+
+
+def test_numpy_ints_are_fine_and_bools_are_not():
+    m = BlockManager(np.int64(8), np.int32(4), watermark_blocks=np.int64(1))
+    assert (m.num_blocks, m.block_size, m.watermark_blocks) == (8, 4, 1)
+    assert m.allocate("a", np.int64(5)) == [0, 1, 2, 3, 4]
+    assert m.append("a", np.int16(1)) == [5] and m.block_table("a").slot(np.int64(5)) == 5
+    with pytest.raises(TypeError, match="block_size must be an int, got bool"):
+        BlockTable(BlockAllocator(2), True)
+    with pytest.raises(TypeError, match="num_tokens must be an int, got bool"):
+        m.append("a", np.True_)
+    assert issubclass(InvalidIndexError, IndexError) and issubclass(InvalidIndexError, VllminiError)
 
 
 # ==== the state machine: many sequences, random allocate / append / fork / free

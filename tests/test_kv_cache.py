@@ -1,5 +1,6 @@
 """Tests for vllmini.kv_cache: writing through slot mappings, sizing, bytes, copy-on-write copies."""
 
+import numpy as np
 import pytest
 import torch
 from attention_cases import make_decode_case, reference_decode
@@ -8,7 +9,8 @@ from hypothesis import strategies as st
 
 import vllmini
 from vllmini.attention import paged_attention
-from vllmini.kv_cache import PagedKVCache, reshape_and_cache
+from vllmini.errors import BlockIdError, InvalidArgumentError, InvalidIndexError, InvalidTypeError
+from vllmini.kv_cache import CACHE_DTYPES, PagedKVCache, check_cache_pair, reshape_and_cache
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -75,19 +77,28 @@ def _write(kc, vc, key=None, value=None, slots=None):
     reshape_and_cache(key, value, kc, vc, slots)
 
 
+A, T = InvalidArgumentError, InvalidTypeError  # a ValueError and a TypeError
 BAD_WRITES = [
-    (dict(slots=torch.tensor([0, 20, 2])), ValueError, r"slot_mapping\[1\] = 20 is out of range"),
-    (dict(slots=torch.tensor([0, -2, 2])), ValueError, r"slot_mapping\[1\] = -2 is out of range"),
-    (dict(slots=torch.tensor([3, 4, 3])), ValueError, "writes slot 3 more than once"),
-    (dict(slots=torch.tensor([0.0, 1.0, 2.0])), TypeError, "slot_mapping must be int32 or int64"),
-    (dict(slots=torch.tensor([0, 1])), ValueError, r"slot_mapping must be \[num_tokens\] = \[3\]"),
-    (dict(slots=[0, 1, 2]), TypeError, "slot_mapping must be a torch.Tensor"),
-    (dict(key=torch.randn(3, 2, 4)), ValueError, r"key must be \[num_tokens, 2, 8\]"),
-    (dict(value=torch.randn(3, 1, 8)), ValueError, r"value must be \[num_tokens, 2, 8\]"),
-    (dict(value=torch.randn(2, 2, 8)), ValueError, "key and value shapes differ"),
-    (dict(key=torch.randn(3, 2, 8).half()), TypeError, "key is torch.float16 but the cache is torch.float32"),
-    (dict(key=torch.randn(3, 2, 8).to("meta")), ValueError, "key is on meta"),
-    (dict(slots=torch.tensor([0, 1, 2], device="meta")), ValueError, "slot_mapping is on meta"),
+    (dict(slots=torch.tensor([0, 20, 2])), A, r"slot_mapping\[1\] = 20 is out of range"),
+    (dict(slots=torch.tensor([0, -2, 2])), A, r"slot_mapping\[1\] = -2 is out of range"),
+    (dict(slots=torch.tensor([3, 4, 3])), A, "writes slot 3 more than once"),
+    (
+        dict(slots=torch.tensor([0.0, 1.0, 2.0])),
+        T,
+        r"slot_mapping must be one of \[torch.int32, torch.int64\]",
+    ),
+    (dict(slots=torch.tensor([0, 1])), A, r"slot_mapping must be \[num_tokens\] = \[3\], got shape \(2,\)"),
+    (dict(slots=[0, 1, 2]), T, "slot_mapping must be a torch.Tensor"),
+    (
+        dict(key=torch.randn(3, 2, 4)),
+        A,
+        r"key must be \[num_tokens, num_kv_heads, head_size\] = \[\*, 2, 8\]",
+    ),
+    (dict(value=torch.randn(3, 1, 8)), A, r"value must be .* = \[\*, 2, 8\], got shape \(3, 1, 8\)"),
+    (dict(value=torch.randn(2, 2, 8)), A, "key and value shapes differ"),
+    (dict(key=torch.randn(3, 2, 8).half()), T, "key must be torch.float32, got torch.float16"),
+    (dict(key=torch.randn(3, 2, 8).to("meta")), A, "key must be on cpu, got meta"),
+    (dict(slots=torch.tensor([0, 1, 2], device="meta")), A, "slot_mapping must be on cpu, got meta"),
 ]
 
 
@@ -101,14 +112,21 @@ def test_reshape_and_cache_errors_leave_cache_unchanged(kw, exc, msg):
 
 def test_reshape_and_cache_cache_errors():
     kc, vc = nan_pools()
-    with pytest.raises(ValueError, match="key_cache must be 4-D"):
+    with pytest.raises(InvalidArgumentError, match="key_cache must be 4-D"):
         _write(kc[0], vc)
-    with pytest.raises(ValueError, match="same shape"):
+    with pytest.raises(InvalidArgumentError, match="same shape"):
         _write(kc, vc[:2])
-    with pytest.raises(TypeError, match="value_cache is torch.float16"):
+    with pytest.raises(InvalidTypeError, match="value_cache is torch.float16"):
         _write(kc, vc.half())
-    with pytest.raises(TypeError, match="floating dtype"):
+    with pytest.raises(InvalidTypeError, match="floating dtype"):
         _write(kc.long(), vc.long())
+    with pytest.raises(InvalidTypeError, match="float8_e4m3fn"):  # a float that attention cannot read
+        check_cache_pair(kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn))
+    with pytest.raises(InvalidTypeError, match="value_cache must be a torch.Tensor"):
+        check_cache_pair(kc, vc.numpy())
+    with pytest.raises(InvalidArgumentError, match="value_cache is on meta"):
+        check_cache_pair(kc, vc.to("meta"))
+    assert vllmini.kv_cache._check_cache_pair is check_cache_pair  # the old name, until attention moves
 
 
 # ----------------------------------------------------------------------------- PagedKVCache
@@ -132,22 +150,54 @@ def test_cache_shapes_bytes_and_sizing(dtype):
 
 
 def test_cache_constructor_errors():
-    with pytest.raises(ValueError, match="exactly one of num_blocks, memory_bytes, gpu_memory_utilization"):
+    with pytest.raises(A, match="exactly one of num_blocks, memory_bytes, gpu_memory_utilization"):
         PagedKVCache(1, 1, 8, 4)
-    with pytest.raises(ValueError, match="exactly one"):
+    with pytest.raises(A, match="exactly one"):
         PagedKVCache(1, 1, 8, 4, num_blocks=2, memory_bytes=10**6)
-    with pytest.raises(ValueError, match="holds no block: one block needs 256 bytes"):
+    with pytest.raises(A, match="holds no block: one block needs 256 bytes"):
         PagedKVCache(1, 1, 8, 4, memory_bytes=255)
-    with pytest.raises(ValueError, match="gpu_memory_utilization needs a CUDA device"):
+    with pytest.raises(A, match="gpu_memory_utilization needs a CUDA device"):
         PagedKVCache(1, 1, 8, 4, gpu_memory_utilization=0.5)
-    with pytest.raises(ValueError, match="num_blocks must be a positive int, got 0"):
+    with pytest.raises(A, match="num_blocks must be >= 1, got 0"):
         PagedKVCache(1, 1, 8, 4, num_blocks=0)
-    with pytest.raises(ValueError, match="head_size must be a positive int"):
+    with pytest.raises(A, match="head_size must be >= 1, got 0"):
         PagedKVCache(1, 1, 0, 4, num_blocks=2)
-    with pytest.raises(ValueError, match="memory_bytes must be a non-negative int"):
+    with pytest.raises(A, match="memory_bytes must be >= 0, got -1"):
         PagedKVCache(1, 1, 8, 4, memory_bytes=-1)
-    with pytest.raises(TypeError, match="dtype must be a floating torch.dtype"):
-        PagedKVCache(1, 1, 8, 4, num_blocks=2, dtype=torch.int32)
+    with pytest.raises(T, match=r"gpu_memory_utilization must be a number, got str '0.5'"):
+        PagedKVCache(1, 1, 8, 4, gpu_memory_utilization="0.5", device="cuda")
+    for bad in (True, 2.0, "2", np.True_):
+        with pytest.raises(T, match="num_blocks must be an int"):
+            PagedKVCache(1, 1, 8, 4, num_blocks=bad)
+        with pytest.raises(T, match="num_layers must be an int"):
+            PagedKVCache(bad, 1, 8, 4, num_blocks=2)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.int32, torch.float8_e4m3fn, torch.complex64, "float16", None], ids=str
+)
+def test_cache_rejects_dtypes_attention_cannot_read(dtype):
+    """float8 is a floating dtype, but paged attention cannot read it: refuse it here, listing the choices."""
+    with pytest.raises(
+        T, match=r"dtype must be one of \[torch.float32, torch.float16, torch.bfloat16, torch.float64\]"
+    ):
+        PagedKVCache(1, 1, 8, 4, num_blocks=2, dtype=dtype)
+
+
+def test_cache_accepts_every_listed_dtype_and_numpy_ints():
+    for dtype in CACHE_DTYPES:
+        assert PagedKVCache(1, 1, 8, 4, num_blocks=2, dtype=dtype).key_caches[0].dtype == dtype
+    cache = PagedKVCache(np.int64(2), np.int32(1), np.int16(8), np.uint8(4), num_blocks=np.int64(3))
+    assert (cache.num_layers, cache.num_kv_heads, cache.head_size, cache.block_size) == (2, 1, 8, 4)
+    assert all(type(v) is int for v in (cache.num_layers, cache.block_size, cache.num_blocks))
+    assert PagedKVCache(1, 1, 8, 4, memory_bytes=np.int64(600)).num_blocks == 2  # 256 bytes a block
+    key = torch.arange(16.0).view(2, 1, 8)
+    cache.write(np.int64(1), key, -key, torch.tensor([5, 0]))
+    assert torch.equal(cache.key_caches[1][1, 1, 0], key[0, 0]) and not cache.key_caches[0].any()
+    cache.copy_blocks([(np.int64(1), np.int32(2))])
+    assert torch.equal(cache.key_caches[1][2], cache.key_caches[1][1])
+    cache.copy_blocks(np.array([[0, 2]]))  # an array of pairs works too
+    assert torch.equal(cache.value_caches[1][2], cache.value_caches[1][0])
 
 
 def test_write_then_paged_attention_reads_it_back():
@@ -170,8 +220,11 @@ def test_write_then_paged_attention_reads_it_back():
     k, v = key.repeat_interleave(2, 1).transpose(0, 1), value.repeat_interleave(2, 1).transpose(0, 1)
     want = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k, v).transpose(0, 1)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
-    with pytest.raises(IndexError, match=r"layer must be an int in \[0, 2\), got 2"):
-        cache.write(2, key, value, slots)
+    for bad in (2, -1):
+        with pytest.raises(InvalidIndexError, match=rf"layer must be in \[0, 2\), got {bad}"):
+            cache.write(bad, key, value, slots)
+    with pytest.raises(T, match="layer must be an int, got bool"):
+        cache.write(True, key, value, slots)
 
 
 def test_copy_blocks_copies_every_layer_reading_before_writing():
@@ -187,14 +240,16 @@ def test_copy_blocks_copies_every_layer_reading_before_writing():
         assert torch.equal(cache.value_caches[layer], -cache.key_caches[layer])
     cache.copy_blocks([])
     before = [t.clone() for t in cache.key_caches]
-    for pairs, msg in (
-        ([(0, 4)], r"block id 4 in pair \(0, 4\) is out of range \[0, 4\)"),
-        ([(-1, 0)], "block id -1"),
-        ([(0, 3), (1, 3)], "destination block appears more than once"),
-        ([(0,)], r"each pair must be \(src_block, dst_block\) ints"),
-        ([(0.0, 1)], "each pair must be"),
+    for pairs, exc, msg in (
+        ([(0, 4)], BlockIdError, r"block id 4 in pair \(0, 4\) is out of range \[0, 4\)"),
+        ([(-1, 0)], BlockIdError, "block id -1"),
+        ([(0, 3), (1, 3)], A, "destination block appears more than once"),
+        ([(0,)], A, r"each pair must be \(src_block, dst_block\), got \(0,\)"),
+        ([5], A, "each pair must be"),
+        ([(0.0, 1)], T, "src_block must be an int, got float 0.0"),
+        ([(0, True)], T, "dst_block must be an int, got bool"),
     ):
-        with pytest.raises(ValueError, match=msg):
+        with pytest.raises(exc, match=msg):
             cache.copy_blocks(pairs)
     assert all(torch.equal(a, b) for a, b in zip(before, cache.key_caches, strict=True))
 

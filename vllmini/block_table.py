@@ -17,25 +17,25 @@ would clobber the other owner's tokens, so `append_tokens` first gives the seque
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from vllmini.allocator import BlockAllocator, _as_int
-from vllmini.errors import OutOfBlocksError, VllminiError
+from vllmini.allocator import BlockAllocator
+from vllmini.checks import as_int, cdiv
+from vllmini.errors import InvalidArgumentError, InvalidIndexError, InvalidTypeError, OutOfBlocksError
 
 if TYPE_CHECKING:
     import torch
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _check_count(num_tokens, name: str = "num_tokens") -> int:
-    num_tokens = _as_int(num_tokens, name)
-    if num_tokens < 0:
-        raise ValueError(f"{name} must be >= 0, got {num_tokens}")
-    return num_tokens
+def block_fill(tables: Iterable[tuple[Sequence[int], int]], block_size: int) -> dict[int, int]:
+    """Tokens held in each physical block, for sequences given as (block_ids, num_tokens) pairs; a
+    block shared after a fork counts once. The one home of the block-fill figures."""
+    filled: dict[int, int] = {}  # physical block -> tokens in it
+    for block_ids, n in tables:
+        for i, block_id in enumerate(block_ids):
+            filled[block_id] = max(filled.get(block_id, 0), min(block_size, n - i * block_size))
+    return filled
 
 
 class BlockTable:
@@ -43,12 +43,9 @@ class BlockTable:
 
     def __init__(self, allocator: BlockAllocator, block_size: int):
         if not isinstance(allocator, BlockAllocator):
-            raise TypeError(f"allocator must be a BlockAllocator, got {type(allocator).__name__}")
-        block_size = _as_int(block_size, "block_size")
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
+            raise InvalidTypeError(f"allocator must be a BlockAllocator, got {type(allocator).__name__}")
         self.allocator = allocator
-        self.block_size = block_size
+        self.block_size = as_int(block_size, "block_size", min=1)
         self._block_ids: list[int] = []
         self._num_tokens = 0
         self.pending_copies: list[tuple[int, int]] = []  # (src_block, dst_block) copy-on-write jobs
@@ -74,8 +71,8 @@ class BlockTable:
 
     def num_new_blocks(self, num_tokens: int) -> int:
         """How many blocks `append_tokens(num_tokens)` would allocate (copy-on-write included)."""
-        num_tokens = _check_count(num_tokens)
-        grow = _cdiv(self._num_tokens + num_tokens, self.block_size) - len(self._block_ids)
+        num_tokens = as_int(num_tokens, "num_tokens", min=0)
+        grow = cdiv(self._num_tokens + num_tokens, self.block_size) - len(self._block_ids)
         return grow + int(self._needs_copy(num_tokens))
 
     def append_tokens(self, num_tokens: int = 1) -> list[int]:
@@ -92,7 +89,7 @@ class BlockTable:
             self.allocator.free(src)  # drop our reference; the other owners keep theirs
             self._block_ids[-1] = dst
             self.pending_copies.append((src, dst))
-        while len(self._block_ids) < _cdiv(self._num_tokens + num_tokens, self.block_size):
+        while len(self._block_ids) < cdiv(self._num_tokens + num_tokens, self.block_size):
             self._block_ids.append(self.allocator.allocate())
         start = self._num_tokens
         self._num_tokens += num_tokens
@@ -100,18 +97,22 @@ class BlockTable:
 
     def slot(self, token_index: int) -> int:
         """The physical slot (block_id * block_size + offset) that holds token `token_index`."""
-        token_index = _as_int(token_index, "token_index")
+        token_index = as_int(token_index, "token_index")
         if not 0 <= token_index < self._num_tokens:
-            raise IndexError(f"token_index {token_index} out of range: the sequence has {self._num_tokens}")
+            raise InvalidIndexError(
+                f"token_index {token_index} out of range: the sequence has {self._num_tokens}"
+            )
         block, offset = divmod(token_index, self.block_size)
         return self._block_ids[block] * self.block_size + offset
 
     def slot_mapping(self, start: int = 0, end: int | None = None) -> list[int]:
         """Slots of tokens start..end-1 (default: the whole sequence)."""
-        start = _as_int(start, "start")
-        end = self._num_tokens if end is None else _as_int(end, "end")
+        start = as_int(start, "start")
+        end = self._num_tokens if end is None else as_int(end, "end")
         if not 0 <= start <= end <= self._num_tokens:
-            raise IndexError(f"need 0 <= start <= end <= {self._num_tokens}, got start={start}, end={end}")
+            raise InvalidIndexError(
+                f"need 0 <= start <= end <= {self._num_tokens}, got start={start}, end={end}"
+            )
         bs = self.block_size
         return [self._block_ids[t // bs] * bs + t % bs for t in range(start, end)]
 
@@ -142,15 +143,9 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int, watermark_blocks: int = 0):
         self.allocator = BlockAllocator(num_blocks)
-        block_size = _as_int(block_size, "block_size")
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        watermark_blocks = _as_int(watermark_blocks, "watermark_blocks")
-        if not 0 <= watermark_blocks < self.allocator.num_blocks:
-            raise ValueError(f"watermark_blocks must be in [0, {num_blocks}), got {watermark_blocks}")
-        self.block_size = block_size
+        self.block_size = as_int(block_size, "block_size", min=1)
         # new sequences must leave this many blocks free, so running sequences can still grow
-        self.watermark_blocks = watermark_blocks
+        self.watermark_blocks = as_int(watermark_blocks, "watermark_blocks", min=0, max=self.num_blocks - 1)
         self._tables: dict[Hashable, BlockTable] = {}
 
     @property
@@ -176,7 +171,7 @@ class BlockManager:
         try:
             return self._tables[seq_id]
         except (KeyError, TypeError):
-            raise VllminiError(f"unknown seq_id {seq_id!r}; known: {self.seq_ids}") from None
+            raise InvalidArgumentError(f"unknown seq_id {seq_id!r}; known: {self.seq_ids}") from None
 
     def seq_len(self, seq_id) -> int:
         return self.block_table(seq_id).num_tokens
@@ -189,15 +184,15 @@ class BlockManager:
 
     def can_allocate(self, num_tokens: int) -> bool:
         """Does a new sequence of `num_tokens` tokens fit, leaving `watermark_blocks` free?"""
-        needed = _cdiv(_check_count(num_tokens), self.block_size)
+        needed = cdiv(as_int(num_tokens, "num_tokens", min=0), self.block_size)
         return self.num_free_blocks - needed >= self.watermark_blocks
 
     def allocate(self, seq_id: Hashable, num_tokens: int) -> list[int]:
         """Start a sequence holding `num_tokens` tokens; returns their slots."""
         if seq_id in self._tables:
-            raise VllminiError(f"seq_id {seq_id!r} already exists")
+            raise InvalidArgumentError(f"seq_id {seq_id!r} already exists")
         if not self.can_allocate(num_tokens):
-            needed = _cdiv(num_tokens, self.block_size)
+            needed = cdiv(num_tokens, self.block_size)
             raise OutOfBlocksError(
                 f"seq {seq_id!r} with {num_tokens} tokens needs {needed} blocks; {self.num_free_blocks} "
                 f"are free and {self.watermark_blocks} must stay free (watermark)"
@@ -219,7 +214,7 @@ class BlockManager:
         """Start `child_id` as a copy of `parent_id` that shares all its blocks (e.g. parallel sampling)."""
         parent = self.block_table(parent_id)
         if child_id in self._tables:
-            raise VllminiError(f"seq_id {child_id!r} already exists")
+            raise InvalidArgumentError(f"seq_id {child_id!r} already exists")
         self._tables[child_id] = parent.fork()
 
     def free(self, seq_id) -> None:
@@ -261,12 +256,8 @@ class BlockManager:
         num_tokens counts the physical slots that hold a token (a block shared after a fork counts once);
         allocated_slots = used_blocks * block_size; pool_slots = num_blocks * block_size.
         """
-        filled: dict[int, int] = {}  # physical block -> tokens in it
-        for table in self._tables.values():
-            n, bs = table.num_tokens, self.block_size
-            for i, block_id in enumerate(table._block_ids):
-                filled[block_id] = max(filled.get(block_id, 0), min(bs, n - i * bs))
-        num_tokens = sum(filled.values())
+        tables = ((t._block_ids, t.num_tokens) for t in self._tables.values())
+        num_tokens = sum(block_fill(tables, self.block_size).values())
         used = self.allocator.num_used_blocks
         allocated_slots = used * self.block_size
         pool_slots = self.num_blocks * self.block_size

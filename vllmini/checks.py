@@ -2,7 +2,7 @@
 
 Each check returns the cleaned value (a Python int, a float, a tensor) or raises a VllminiError subclass
 whose message names the argument, the bad value and what was expected. numpy and torch integer scalars
-count as ints (as `operator.index` says); `True`/`False` and floats do not.
+count as ints (as `operator.index` says); bools (Python, numpy or torch) and floats do not.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import operator
 
-from vllmini.errors import InvalidArgumentError, InvalidTypeError
+from vllmini.errors import InvalidArgumentError, InvalidIndexError, InvalidTypeError
 
 
 def cdiv(a: int, b: int) -> int:
@@ -18,9 +18,14 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _is_bool(value) -> bool:
+    """True for Python, numpy and torch booleans (which `operator.index` and `float` would accept)."""
+    return isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool")
+
+
 def as_int(value, name: str, *, min: int | None = None, max: int | None = None) -> int:  # noqa: A002
     """`value` as a Python int within [min, max] (either bound optional)."""
-    if isinstance(value, bool):
+    if _is_bool(value):
         raise InvalidTypeError(f"{name} must be an int, got bool {value!r}")
     try:
         value = operator.index(value)
@@ -33,6 +38,14 @@ def as_int(value, name: str, *, min: int | None = None, max: int | None = None) 
     return value
 
 
+def as_index(value, name: str, size: int) -> int:
+    """`value` as an int index in [0, size); out of range is an IndexError (InvalidIndexError)."""
+    value = as_int(value, name)
+    if not 0 <= value < size:
+        raise InvalidIndexError(f"{name} must be in [0, {size}), got {value}")
+    return value
+
+
 def as_float(
     value,
     name: str,
@@ -42,7 +55,9 @@ def as_float(
     finite: bool = True,  # noqa: A002
 ) -> float:
     """`value` (any real number but a bool) as a Python float within [min, max]."""
-    if isinstance(value, bool) or not hasattr(value, "__float__") or isinstance(value, (str, bytes)):
+    if _is_bool(value):
+        raise InvalidTypeError(f"{name} must be a number, got bool {value!r}")
+    if not hasattr(value, "__float__") or isinstance(value, (str, bytes)):
         raise InvalidTypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
     try:
         value = float(value)
@@ -95,6 +110,7 @@ def check_tensor(
         if t.dim() != len(shape) or any(
             w is not None and s != w for s, w in zip(t.shape, shape, strict=False)
         ):
-            want = tuple("*" if w is None else w for w in shape)
-            raise InvalidArgumentError(f"{name} must have shape {want}{desc}, got {tuple(t.shape)}")
+            want = "[" + ", ".join("*" if w is None else str(w) for w in shape) + "]"
+            want = f"{shape_desc} = {want}" if shape_desc else f"of shape {want}"
+            raise InvalidArgumentError(f"{name} must be {want}, got shape {tuple(t.shape)}")
     return t

@@ -7,8 +7,10 @@ Each subclass also derives from the builtin that code outside vllmini would expe
     ├── InvalidArgumentError   (ValueError)     a value out of range, a wrong shape, an unknown option
     ├── InvalidTypeError       (TypeError)      a wrong type or dtype
     ├── BlockIdError           (IndexError)     a block id outside the pool, or one not allocated
+    ├── InvalidIndexError      (IndexError)     another index (a token, a layer) outside its range
     ├── OutOfBlocksError                        the pool has no free block left for the request
     ├── CheckpointError        (ValueError)     a checkpoint, config or tokenizer file that cannot be read
+    │   └── CheckpointNotFoundError (FileNotFoundError)  ... or that is not there
     ├── KernelBuildError       (RuntimeError)   a .cu file that does not compile (NVRTC or the emulator)
     ├── KernelLaunchError      (RuntimeError)   a launch that failed, hung, or was stopped
     ├── InvalidBlockTableError (ValueError)     a bad page id seen by the GPU's in-kernel guard
@@ -34,12 +36,20 @@ class BlockIdError(VllminiError, IndexError):
     """A block id outside the pool, or one that is not allocated."""
 
 
+class InvalidIndexError(VllminiError, IndexError):
+    """An index other than a block id (a token, a layer) outside its range."""
+
+
 class OutOfBlocksError(VllminiError):
     """The block pool has no free block left for the request."""
 
 
 class CheckpointError(VllminiError, ValueError):
     """A checkpoint, config or tokenizer file that is missing or cannot be read; the message names it."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """A checkpoint file or directory that is not there; the message names it."""
 
 
 class KernelBuildError(VllminiError, RuntimeError):

@@ -11,30 +11,37 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from vllmini.checks import as_float, as_index, as_int, check_tensor
+from vllmini.errors import BlockIdError, InvalidArgumentError, InvalidTypeError
+
+CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # what attention can read
 _INT_DTYPES = (torch.int32, torch.int64)
+_POOL = "[num_blocks, block_size, num_kv_heads, head_size]"
+_NEW = "[num_tokens, num_kv_heads, head_size]"
 
 
-def _check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
-    """Both pools 4-D, same shape, same floating dtype, same device."""
-    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(
-                f"{name} must be 4-D [num_blocks, block_size, num_kv_heads, head_size], "
-                f"got shape {tuple(t.shape)}"
-            )
-        if not t.dtype.is_floating_point:
-            raise TypeError(f"{name} must have a floating dtype, got {t.dtype}")
+def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    """Both pools 4-D, same shape, same supported floating dtype (CACHE_DTYPES), same device."""
+    check_tensor(key_cache, "key_cache", ndim=4, shape_desc=_POOL)
+    check_tensor(value_cache, "value_cache", ndim=4, shape_desc=_POOL)
     if key_cache.shape != value_cache.shape:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"key_cache and value_cache must have the same shape, got {tuple(key_cache.shape)} "
             f"and {tuple(value_cache.shape)}"
         )
     if key_cache.dtype != value_cache.dtype:
-        raise TypeError(f"key_cache is {key_cache.dtype} but value_cache is {value_cache.dtype}")
+        raise InvalidTypeError(f"key_cache is {key_cache.dtype} but value_cache is {value_cache.dtype}")
+    if key_cache.dtype not in CACHE_DTYPES:
+        raise InvalidTypeError(
+            f"the caches must have a floating dtype in {list(CACHE_DTYPES)}, got {key_cache.dtype}"
+        )
     if key_cache.device != value_cache.device:
-        raise ValueError(f"key_cache is on {key_cache.device} but value_cache is on {value_cache.device}")
+        raise InvalidArgumentError(
+            f"key_cache is on {key_cache.device} but value_cache is on {value_cache.device}"
+        )
+
+
+_check_cache_pair = check_cache_pair  # the old private name, still imported by vllmini.attention
 
 
 def reshape_and_cache(
@@ -54,32 +61,23 @@ def reshape_and_cache(
     for a caller that ran `check_slot_mapping(..., allow_padding=False)` on this same mapping, as the
     model does once per forward for all its layers; shapes, dtypes and devices are always checked.
     """
-    _check_cache_pair(key_cache, value_cache)
+    check_cache_pair(key_cache, value_cache)
     num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
+    kv_shape = (None, num_kv_heads, head_size)  # (num_tokens, num_kv_heads, head_size)
     for name, t in (("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 3 or tuple(t.shape[1:]) != (num_kv_heads, head_size):
-            raise ValueError(
-                f"{name} must be [num_tokens, {num_kv_heads}, {head_size}] to match the cache, "
-                f"got shape {tuple(t.shape)}"
-            )
-        if t.dtype != key_cache.dtype:
-            raise TypeError(f"{name} is {t.dtype} but the cache is {key_cache.dtype}; cast it first")
-        if t.device != key_cache.device:
-            raise ValueError(f"{name} is on {t.device} but the cache is on {key_cache.device}")
-    if key.shape != value.shape:
-        raise ValueError(f"key and value shapes differ: {tuple(key.shape)} vs {tuple(value.shape)}")
-    if not isinstance(slot_mapping, torch.Tensor):
-        raise TypeError(f"slot_mapping must be a torch.Tensor, got {type(slot_mapping).__name__}")
-    if slot_mapping.dtype not in _INT_DTYPES:
-        raise TypeError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
-    if slot_mapping.shape != (key.shape[0],):
-        raise ValueError(
-            f"slot_mapping must be [num_tokens] = [{key.shape[0]}], got shape {tuple(slot_mapping.shape)}"
+        check_tensor(
+            t, name, dtypes=key_cache.dtype, device=key_cache.device, shape=kv_shape, shape_desc=_NEW
         )
-    if slot_mapping.device != key_cache.device:
-        raise ValueError(f"slot_mapping is on {slot_mapping.device} but the cache is on {key_cache.device}")
+    if key.shape != value.shape:
+        raise InvalidArgumentError(f"key and value shapes differ: {tuple(key.shape)} vs {tuple(value.shape)}")
+    check_tensor(
+        slot_mapping,
+        "slot_mapping",
+        dtypes=_INT_DTYPES,
+        device=key_cache.device,
+        shape=(key.shape[0],),
+        shape_desc="[num_tokens]",
+    )
 
     slots = slot_mapping.to(torch.int64)
     if validate:
@@ -102,13 +100,13 @@ def check_slot_mapping(slot_mapping: torch.Tensor, num_slots: int, *, allow_padd
     if bad.any():
         i = int(bad.argmax())
         expected = "-1 (skip) or a slot" if allow_padding else "a slot"
-        raise ValueError(
+        raise InvalidArgumentError(
             f"slot_mapping[{i}] = {int(slots[i])} is out of range: expected {expected} in [0, {num_slots})"
         )
     kept = slots[slots >= 0]
     uniq, counts = np.unique(kept, return_counts=True)
     if len(uniq) != len(kept):
-        raise ValueError(f"slot_mapping writes slot {int(uniq[counts > 1][0])} more than once")
+        raise InvalidArgumentError(f"slot_mapping writes slot {int(uniq[counts > 1][0])} more than once")
     return len(kept) != len(slots)
 
 
@@ -128,16 +126,12 @@ class PagedKVCache:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
     ):
-        for name, v in (
-            ("num_layers", num_layers),
-            ("num_kv_heads", num_kv_heads),
-            ("head_size", head_size),
-            ("block_size", block_size),
-        ):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+        num_layers = as_int(num_layers, "num_layers", min=1)
+        num_kv_heads = as_int(num_kv_heads, "num_kv_heads", min=1)
+        head_size = as_int(head_size, "head_size", min=1)
+        block_size = as_int(block_size, "block_size", min=1)
+        if dtype not in CACHE_DTYPES:
+            raise InvalidTypeError(f"dtype must be one of {list(CACHE_DTYPES)}, got {dtype!r}")
         device = torch.device(device)
         given = [
             n
@@ -149,31 +143,31 @@ class PagedKVCache:
             if v is not None
         ]
         if len(given) != 1:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"give exactly one of num_blocks, memory_bytes, gpu_memory_utilization; got {given or 'none'}"
             )
         per_block = self.bytes_per_block(num_layers, num_kv_heads, head_size, block_size, dtype)
         if memory_bytes is not None:
-            if isinstance(memory_bytes, bool) or not isinstance(memory_bytes, int) or memory_bytes < 0:
-                raise ValueError(f"memory_bytes must be a non-negative int, got {memory_bytes!r}")
+            memory_bytes = as_int(memory_bytes, "memory_bytes", min=0)
             num_blocks = memory_bytes // per_block
             if num_blocks < 1:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"memory_bytes={memory_bytes} holds no block: one block needs {per_block} bytes"
                 )
         elif gpu_memory_utilization is not None:
+            share = as_float(gpu_memory_utilization, "gpu_memory_utilization")
             if device.type != "cuda":
-                raise ValueError(f"gpu_memory_utilization needs a CUDA device, got device={device}")
-            if not 0.0 < float(gpu_memory_utilization) <= 1.0:
-                raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+                raise InvalidArgumentError(f"gpu_memory_utilization needs a CUDA device, got device={device}")
+            if not 0.0 < share <= 1.0:
+                raise InvalidArgumentError(f"gpu_memory_utilization must be in (0, 1], got {share}")
             free, _total = torch.cuda.mem_get_info(device)
-            num_blocks = int(free * float(gpu_memory_utilization)) // per_block
+            num_blocks = int(free * share) // per_block
             if num_blocks < 1:
-                raise ValueError(
-                    f"{gpu_memory_utilization:.0%} of {free} free bytes holds no block of {per_block} bytes"
+                raise InvalidArgumentError(
+                    f"{share:.0%} of {free} free bytes holds no block of {per_block} bytes"
                 )
-        elif isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        else:
+            num_blocks = as_int(num_blocks, "num_blocks", min=1)
 
         self.num_layers, self.num_kv_heads, self.head_size = num_layers, num_kv_heads, head_size
         self.block_size, self.num_blocks, self.dtype, self.device = block_size, num_blocks, dtype, device
@@ -208,8 +202,7 @@ class PagedKVCache:
         slot_mapping: torch.Tensor,  # (num_tokens,) int, -1 = skip
     ) -> None:
         """Write one layer's new K/V through the slot mapping (see `reshape_and_cache`)."""
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
-            raise IndexError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
+        layer = as_index(layer, "layer", self.num_layers)
         reshape_and_cache(key, value, self.key_caches[layer], self.value_caches[layer], slot_mapping)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -218,22 +211,28 @@ class PagedKVCache:
         All pairs are read before any is written, so a dst that is also a src gets the old contents.
         A dst may appear only once.
         """
-        pairs = [tuple(p) for p in pairs]
-        for p in pairs:
-            if len(p) != 2 or not all(isinstance(b, int) and not isinstance(b, bool) for b in p):
-                raise ValueError(f"each pair must be (src_block, dst_block) ints, got {p!r}")
-            for b in p:
-                if not 0 <= b < self.num_blocks:
-                    raise ValueError(f"block id {b} in pair {p} is out of range [0, {self.num_blocks})")
+        pairs = [self._check_pair(p) for p in pairs]
         dsts = [d for _, d in pairs]
         if len(set(dsts)) != len(dsts):
-            raise ValueError(f"a destination block appears more than once in {pairs}")
+            raise InvalidArgumentError(f"a destination block appears more than once in {pairs}")
         if not pairs:
             return
         src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=self.device)
         dst = torch.tensor(dsts, dtype=torch.int64, device=self.device)
         for cache in self.key_caches + self.value_caches:
             cache[dst] = cache[src]  # the right side is gathered (a copy) before the write
+
+    def _check_pair(self, pair) -> tuple[int, int]:
+        """(src_block, dst_block) as two block ids of this cache."""
+        try:
+            src, dst = pair
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(f"each pair must be (src_block, dst_block), got {pair!r}") from None
+        ids = as_int(src, "src_block"), as_int(dst, "dst_block")
+        for b in ids:
+            if not 0 <= b < self.num_blocks:
+                raise BlockIdError(f"block id {b} in pair {ids} is out of range [0, {self.num_blocks})")
+        return ids
 
     def __repr__(self) -> str:
         return (
