@@ -6,6 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from vllmini import memory
+from vllmini.errors import InvalidArgumentError, InvalidTypeError
 from vllmini.memory import (
     LLAMA_2_7B,
     LLAMA_2_70B,
@@ -91,8 +92,34 @@ def test_tokens_that_fit_after_weights():
 )
 def test_bad_shape_raises(kwargs, word):
     base = dict(name="x", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_size=16)
-    with pytest.raises(ValueError, match=word):
+    with pytest.raises(InvalidArgumentError, match=word):
         ModelShape(**{**base, **kwargs})
+
+
+def test_bools_are_not_ints_and_numpy_ints_are():
+    base = dict(name="x", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_size=16)
+    for field in ("num_layers", "dtype_bytes", "num_params"):
+        with pytest.raises(InvalidTypeError, match=f"{field} must be an int, got bool True"):
+            ModelShape(**{**base, field: True})
+    shape = ModelShape(**{**base, "num_layers": np.int64(3), "num_params": np.int32(7)})
+    assert (shape.num_layers, shape.num_params) == (3, 7) and type(shape.num_layers) is int
+    for call, name in (
+        (lambda: sample_requests(True), "n"),
+        (lambda: sample_requests(4, max_len=np.True_), "max_len"),
+        (lambda: kv_tokens_that_fit(OPT_13B, True), "memory_bytes"),
+        (lambda: reserved_slots(True, "oracle"), "final_len"),
+        (lambda: reserved_slots(4, "paged", block_size=True), "block_size"),
+        (lambda: static_reservation([(True, 3)], 2048), r"input_len of request \(True, 3\)"),
+        (lambda: requests_that_fit([(1, 1)], False, "paged"), "kv_budget_tokens"),
+    ):
+        with pytest.raises(InvalidTypeError, match=f"{name} must be an int, got bool"):
+            call()
+    with pytest.raises(InvalidTypeError, match="progress must be a number, got bool"):
+        paged_reservation([(1, 1)], 16, progress=True)
+    assert sample_requests(np.int64(3), max_len=np.int32(64), seed=0) == sample_requests(
+        3, max_len=64, seed=0
+    )
+    assert reserved_slots(np.int64(5), "paged", block_size=np.int64(4)) == 8
 
 
 def test_bad_kv_arguments_raise():
@@ -144,14 +171,15 @@ def test_clipping_truncates_the_same_draws():
     "kwargs, word",
     [
         (dict(n=-1), "-1"),
-        (dict(n=2.5), "2.5"),
         (dict(workload="lmsys"), "lmsys"),
         (dict(max_len=1), "max_len"),
     ],
 )
 def test_bad_workload_arguments_raise(kwargs, word):
-    with pytest.raises(ValueError, match=word):
+    with pytest.raises(InvalidArgumentError, match=word):
         sample_requests(**{"n": 10, **kwargs})
+    with pytest.raises(InvalidTypeError, match="n must be an int, got float 2.5"):
+        sample_requests(2.5)
 
 
 # -----------------------------------------------------------------------------
@@ -263,5 +291,5 @@ def test_fits_by_hand():
     ],
 )
 def test_bad_reservation_arguments_raise(call, word):
-    with pytest.raises(ValueError, match=word):
+    with pytest.raises(InvalidArgumentError, match=word):
         call()

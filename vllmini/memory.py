@@ -19,6 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vllmini.checks import as_float, as_int, cdiv, one_of
+from vllmini.errors import InvalidArgumentError, InvalidTypeError
+
 SCHEMES = ("static", "pow2", "oracle", "paged")
 
 
@@ -41,13 +44,10 @@ class ModelShape:
 
     def __post_init__(self):
         for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_size", "dtype_bytes"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{field} must be a positive int, got {value!r}")
-        if self.num_params < 0:
-            raise ValueError(f"num_params must be >= 0, got {self.num_params!r}")
+            object.__setattr__(self, field, as_int(getattr(self, field), field, min=1))  # frozen: no setattr
+        object.__setattr__(self, "num_params", as_int(self.num_params, "num_params", min=0))
         if self.num_heads % self.num_kv_heads != 0:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
 
@@ -70,7 +70,7 @@ MODEL_SHAPES = (TINYLLAMA_1_1B, LLAMA_2_7B, LLAMA_3_8B, OPT_13B, LLAMA_2_70B)
 def kv_bytes_per_token(shape: ModelShape) -> int:
     """Bytes one token's keys and values take over all layers: 2 * layers * kv_heads * head_size * bytes."""
     if not isinstance(shape, ModelShape):
-        raise TypeError(f"shape must be a ModelShape, got {type(shape).__name__}")
+        raise InvalidTypeError(f"shape must be a ModelShape, got {type(shape).__name__}")
     return 2 * shape.num_layers * shape.num_kv_heads * shape.head_size * shape.dtype_bytes
 
 
@@ -79,10 +79,9 @@ def kv_tokens_that_fit(shape: ModelShape, memory_bytes: int) -> int:
 
     Ignores activations, the CUDA context and allocator slack, so a real server fits fewer.
     """
-    if memory_bytes < 0:
-        raise ValueError(f"memory_bytes must be >= 0, got {memory_bytes!r}")
-    free = memory_bytes - shape.weight_bytes
-    return max(0, free // kv_bytes_per_token(shape))
+    per_token = kv_bytes_per_token(shape)
+    free = as_int(memory_bytes, "memory_bytes", min=0) - shape.weight_bytes
+    return max(0, free // per_token)
 
 
 # -----------------------------------------------------------------------------
@@ -109,12 +108,9 @@ def sample_requests(
     ShareGPT's outputs and under 1% otherwise; by much more at small max_len (ShareGPT outputs: -9% at
     1024, -32% at 512), as a server that caps lengths would.
     """
-    if not isinstance(n, int) or n < 0:
-        raise ValueError(f"n must be an int >= 0, got {n!r}")
-    if workload not in WORKLOADS:
-        raise ValueError(f"workload must be one of {sorted(WORKLOADS)}, got {workload!r}")
-    if not isinstance(max_len, int) or max_len < 2:
-        raise ValueError(f"max_len must be an int >= 2 (one prompt and one output token), got {max_len!r}")
+    n = as_int(n, "n", min=0)
+    one_of(workload, "workload", sorted(WORKLOADS))
+    max_len = as_int(max_len, "max_len", min=2)  # one prompt and one output token
     mean_in, mean_out, sigma_in, sigma_out = WORKLOADS[workload]
     rng = np.random.default_rng(seed)
     inp = rng.lognormal(math.log(mean_in) - sigma_in**2 / 2, sigma_in, size=n)  # (n,)
@@ -139,16 +135,16 @@ def reserved_slots(
     paged:  whole blocks for the num_tokens it holds now (default: final_len), ceil(n / bs) * bs.
     The three contiguous schemes reserve for the final length even while the request is shorter.
     """
-    if scheme not in SCHEMES:
-        raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
-    if final_len < 1:
-        raise ValueError(f"final_len must be >= 1, got {final_len!r}")
+    one_of(scheme, "scheme", SCHEMES)
+    final_len = as_int(final_len, "final_len", min=1)
+    max_len = as_int(max_len, "max_len", min=1)
     if scheme != "paged" and final_len > max_len:
-        raise ValueError(f"final_len must be <= max_len={max_len} under scheme {scheme!r}, got {final_len!r}")
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size!r}")
-    if num_tokens is not None and not 0 <= num_tokens <= final_len:
-        raise ValueError(f"num_tokens must be in [0, final_len={final_len}], got {num_tokens!r}")
+        raise InvalidArgumentError(
+            f"final_len must be <= max_len={max_len} under scheme {scheme!r}, got {final_len}"
+        )
+    block_size = as_int(block_size, "block_size", min=1)
+    if num_tokens is not None:
+        num_tokens = as_int(num_tokens, "num_tokens", min=0, max=final_len)
     if scheme == "static":
         return max_len
     if scheme == "pow2":
@@ -156,7 +152,7 @@ def reserved_slots(
     if scheme == "oracle":
         return final_len
     held = final_len if num_tokens is None else num_tokens
-    return -(-held // block_size) * block_size  # ceil to whole blocks
+    return cdiv(held, block_size) * block_size  # whole blocks
 
 
 # -----------------------------------------------------------------------------
@@ -183,20 +179,19 @@ class Reservation:
 
 def _check_requests(requests: Sequence[tuple[int, int]], max_len: int | None) -> None:
     for req in requests:
-        if len(req) != 2 or req[0] < 1 or req[1] < 0:
-            raise ValueError(f"each request must be (input_len >= 1, output_len >= 0), got {req!r}")
-        if max_len is not None and req[0] + req[1] > max_len:
-            raise ValueError(f"request {req!r} is longer than max_len={max_len}")
+        try:
+            inp, out = req
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(f"each request must be (input_len, output_len), got {req!r}") from None
+        inp = as_int(inp, f"input_len of request {req!r}", min=1)
+        out = as_int(out, f"output_len of request {req!r}", min=0)
+        if max_len is not None and inp + out > max_len:
+            raise InvalidArgumentError(f"request {req!r} is longer than max_len={max_len}")
 
 
 def _tokens_held(req: tuple[int, int], progress: float) -> int:
     """Tokens a request holds once it has generated `progress` of its output."""
     return req[0] + round(progress * req[1])
-
-
-def _check_progress(progress: float) -> None:
-    if not 0.0 <= progress <= 1.0:
-        raise ValueError(f"progress must be in [0, 1], got {progress!r}")
 
 
 def reservation(
@@ -213,7 +208,7 @@ def reservation(
     is the moment each finishes, the best case for every scheme; 0.5 is halfway.
     """
     _check_requests(requests, None if scheme == "paged" else max_len)
-    _check_progress(progress)
+    progress = as_float(progress, "progress", min=0.0, max=1.0)
     tokens = reserved = 0
     for req in requests:
         held = _tokens_held(req, progress)
@@ -250,10 +245,8 @@ def requests_that_fit(
     up front; paging holds the blocks those tokens fill at the end). Admission stops at the first
     request that does not fit, as a FCFS scheduler that never skips ahead would.
     """
-    if kv_budget_tokens < 0:
-        raise ValueError(f"kv_budget_tokens must be >= 0, got {kv_budget_tokens!r}")
-    if scheme not in SCHEMES:
-        raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
+    kv_budget_tokens = as_int(kv_budget_tokens, "kv_budget_tokens", min=0)
+    one_of(scheme, "scheme", SCHEMES)
     _check_requests(requests, None if scheme == "paged" else max_len)
     used = 0
     for count, req in enumerate(requests):
