@@ -5,10 +5,13 @@ scaling) saved as a sharded bfloat16 checkpoint and run in float64. transformers
 """
 
 import json
+import shutil
 
+import numpy as np
 import pytest
 import torch
 
+from vllmini.errors import CheckpointError, CheckpointNotFoundError, InvalidArgumentError, InvalidTypeError
 from vllmini.kv_cache import PagedKVCache
 from vllmini.model import AttentionMetadata, LlamaConfig, LlamaModel, rope_inv_freq
 
@@ -107,6 +110,13 @@ def test_config_from_transformers_dict_and_file(checkpoint):
         ({"num_key_value_heads": 3}, "multiple"),
         ({"rope_scaling": {"type": "yarn", "factor": 2.0}}, "rope"),
         ({"vocab_size": 0}, "vocab_size"),
+        (
+            {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+            r"type 'llama3' lacks \['low_freq_factor', 'high_freq_factor', 'orig",
+        ),
+        ({"rope_theta": 0.0}, "rope_theta must be > 0"),
+        ({"vocab_size": None, "hidden_size": None}, r"config lacks \['vocab_size', 'hidden_size'\]"),
+        ({"rms_norm_eps": -1e-6}, "rms_norm_eps"),
     ],
 )
 def test_config_rejects_what_it_cannot_run(change, match):
@@ -118,8 +128,30 @@ def test_config_rejects_what_it_cannot_run(change, match):
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
     } | change
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(InvalidArgumentError, match=match):
         LlamaConfig.from_dict(d)
+
+
+def test_config_types_bools_and_numpy_ints():
+    d = dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4
+    )
+    cfg = LlamaConfig(**d | {"vocab_size": np.int64(128)})
+    assert cfg.vocab_size == 128 and type(cfg.vocab_size) is int
+    for change, match in (
+        ({"num_hidden_layers": True}, "num_hidden_layers must be an int, got bool"),
+        ({"hidden_size": 64.0}, "hidden_size must be an int, got float"),
+        ({"rope_theta": "1e4"}, "rope_theta must be a number"),
+        ({"rope_scaling": "linear"}, "rope_scaling must be a dict"),
+        (
+            {"rope_scaling": {"rope_type": "linear", "factor": None}},
+            r"rope_scaling\['factor'\] must be a number",
+        ),
+    ):
+        with pytest.raises(InvalidTypeError, match=match):
+            LlamaConfig(**d | change)
+    with pytest.raises(InvalidTypeError, match="rope_parameters must be a JSON object"):
+        LlamaConfig.from_dict(d | {"rope_parameters": [1]})
 
 
 def test_llama3_rope_frequencies_match_transformers():
@@ -179,14 +211,16 @@ def test_load_untied_single_file_with_old_style_config(tmp_path):
 
 
 def test_load_errors(tmp_path, checkpoint):
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    with pytest.raises(CheckpointNotFoundError, match="no checkpoint directory"):
+        LlamaModel.from_pretrained(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="config.json"):  # a CheckpointNotFoundError
         LlamaModel.from_pretrained(tmp_path)
     (tmp_path / "config.json").write_text((checkpoint / "config.json").read_text())
-    with pytest.raises(FileNotFoundError, match="safetensors"):
+    with pytest.raises(CheckpointNotFoundError, match="safetensors"):
         LlamaModel.from_pretrained(tmp_path)
-    with pytest.raises(TypeError, match="directory path or a transformers model"):
+    with pytest.raises(InvalidTypeError, match="directory path or a transformers model"):
         LlamaModel.from_pretrained(42)
-    with pytest.raises(TypeError, match="dtype"):
+    with pytest.raises(InvalidTypeError, match="dtype must be one of"):
         LlamaModel.from_pretrained(checkpoint, dtype=torch.int8)
     hf = random_hf_model(num_hidden_layers=1)
     from safetensors.torch import save_file
@@ -197,8 +231,44 @@ def test_load_errors(tmp_path, checkpoint):
     save_file(state, tmp_path / "model.safetensors")
     cfg = json.loads((checkpoint / "config.json").read_text()) | {"num_hidden_layers": 1}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="lacks weights.*up_proj"):
+    with pytest.raises(CheckpointError, match=f"{tmp_path}' lacks weights.*up_proj"):
         LlamaModel.from_pretrained(tmp_path)
+
+
+def _first_shard(root):
+    return sorted(root.glob("model-*.safetensors"))[0].name
+
+
+@pytest.mark.parametrize(
+    "name, damage, match",
+    [
+        ("config.json", lambda b: b"{not json", "Expecting property name"),
+        ("config.json", lambda b: b"[1, 2]", "config.json must be a JSON object"),
+        ("config.json", lambda b: b.replace(b'"llama"', b'"gpt2"'), "model_type must be one of"),
+        ("tokenizer.json", lambda b: b[: len(b) // 2], "EOF"),
+        ("generation_config.json", lambda b: b"", "Expecting value"),
+        ("model.safetensors.index.json", lambda b: b'{"metadata": {}}', "has no weight_map"),
+        (_first_shard, lambda b: b[: len(b) - 100], "incomplete metadata"),
+        (_first_shard, lambda b: b[:5], "header too small"),
+    ],
+)
+def test_damaged_checkpoint_file_is_named(checkpoint, tmp_path, name, damage, match):
+    """Each damaged file is a CheckpointError (a ValueError) naming the file and what was wrong."""
+    root = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, root)
+    file = root / (name if isinstance(name, str) else name(root))
+    file.write_bytes(damage(file.read_bytes()))
+    with pytest.raises(CheckpointError, match=match) as info:
+        LlamaModel.from_pretrained(root)
+    assert str(file) in str(info.value)
+
+
+def test_missing_shard_is_named(checkpoint, tmp_path):
+    root = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, root)
+    (root / _first_shard(root)).unlink()
+    with pytest.raises(CheckpointNotFoundError, match=f"no {_first_shard(checkpoint)} in '{root}'"):
+        LlamaModel.from_pretrained(root)
 
 
 # -----------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -27,9 +27,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from vllmini.attention import check_block_tables, paged_attention, paged_prefill_attention
+from vllmini.checks import as_float, as_int, one_of
+from vllmini.errors import CheckpointError, CheckpointNotFoundError, InvalidArgumentError, InvalidTypeError
 from vllmini.kv_cache import check_slot_mapping, reshape_and_cache
 
 ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_KEYS = {  # what each rope type reads from its scaling dict
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -73,54 +80,78 @@ class LlamaConfig:
             "head_dim",
             "max_position_embeddings",
         ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            setattr(self, name, as_int(getattr(self, name), name, min=1))
+        self.rms_norm_eps = as_float(self.rms_norm_eps, "rms_norm_eps", min=0.0)
+        self.rope_theta = as_float(self.rope_theta, "rope_theta")
+        if self.rope_theta <= 0:
+            raise InvalidArgumentError(f"rope_theta must be > 0, got {self.rope_theta}")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
         if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+            raise InvalidArgumentError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
-            if kind not in ROPE_TYPES:
-                raise ValueError(f"rope scaling type must be one of {ROPE_TYPES}, got {kind!r}")
-            self.rope_scaling = {**self.rope_scaling, "rope_type": kind}
-            self.rope_scaling.pop("type", None)
-            if kind == "default":
-                self.rope_scaling = None
+            if not isinstance(self.rope_scaling, dict):
+                raise InvalidTypeError(f"rope_scaling must be a dict or None, got {self.rope_scaling!r}")
+            scaling = dict(self.rope_scaling)
+            old_name = scaling.pop("type", None)  # older configs' key for rope_type
+            kind = one_of(scaling.setdefault("rope_type", old_name), "rope type", ROPE_TYPES)
+            missing = [key for key in ROPE_KEYS[kind] if key not in scaling]
+            if missing:
+                raise InvalidArgumentError(f"rope_scaling of type {kind!r} lacks {missing}")
+            for key in ROPE_KEYS[kind]:
+                as_float(scaling[key], f"rope_scaling[{key!r}]")
+            self.rope_scaling = None if kind == "default" else scaling
 
     @classmethod
     def from_dict(cls, d: dict) -> LlamaConfig:
         """From a Hugging Face config dict, with either rope key style: older `rope_theta` +
         `rope_scaling`, or newer `rope_parameters` (which holds rope_theta and rope_type together)."""
-        if d.get("model_type", "llama") != "llama":
-            raise ValueError(f"model_type must be 'llama', got {d.get('model_type')!r}")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act must be 'silu' (SwiGLU), got {d.get('hidden_act')!r}")
-        rope = dict(d.get("rope_parameters") or {})
+        one_of(d.get("model_type", "llama"), "model_type", ("llama",))
+        one_of(d.get("hidden_act", "silu"), "hidden_act (SwiGLU)", ("silu",))
+        rope = dict(_as_dict(d.get("rope_parameters"), "rope_parameters"))
         theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
         if not rope:  # the older style: the scaling dict sits on its own
-            rope = dict(d.get("rope_scaling") or {})
-        if rope.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError(f"partial_rotary_factor must be 1.0, got {rope['partial_rotary_factor']}")
-        rope.pop("partial_rotary_factor", None)
+            rope = dict(_as_dict(d.get("rope_scaling"), "rope_scaling"))
+        one_of(rope.pop("partial_rotary_factor", 1.0), "partial_rotary_factor", (1.0,))
         names = {f for f in cls.__dataclass_fields__ if f not in ("rope_theta", "rope_scaling")}
+        missing = [f.name for f in fields(cls) if f.default is MISSING and d.get(f.name) is None]
+        if missing:
+            raise InvalidArgumentError(f"the config lacks {missing}")
         return cls(
             **{k: d[k] for k in names if k in d and d[k] is not None},
-            rope_theta=float(theta),
+            rope_theta=theta,
             rope_scaling=rope or None,
         )
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> LlamaConfig:
-        """From the config.json in checkpoint directory `path`."""
+        """From the config.json in checkpoint directory `path`; a bad file is a CheckpointError naming it."""
         file = Path(path) / "config.json"
-        if not file.is_file():
-            raise FileNotFoundError(f"no config.json in {str(path)!r}")
-        return cls.from_dict(json.loads(file.read_text()))
+        return _read_checkpoint_file(file, lambda f: cls.from_dict(_read_json(f)))
+
+
+def _as_dict(value, name: str) -> dict:
+    """`value` if it is a dict, {} for None."""
+    if value is not None and not isinstance(value, dict):
+        raise InvalidTypeError(f"{name} must be a JSON object (a dict), got {value!r}")
+    return value or {}
+
+
+def _read_json(file: Path) -> dict:
+    return _as_dict(json.loads(file.read_text()), file.name)
+
+
+def _read_checkpoint_file(file: Path, read):
+    """read(file), with a missing or damaged file reported as a CheckpointError that names it."""
+    if not file.is_file():
+        raise CheckpointNotFoundError(f"no {file.name} in {str(file.parent)!r}")
+    try:
+        return read(file)
+    except Exception as e:  # json, safetensors and tokenizers each raise their own kind; name the file
+        raise CheckpointError(f"bad checkpoint file {str(file)!r}: {e}") from e
 
 
 # -----------------------------------------------------------------------------
@@ -416,43 +447,51 @@ class LlamaModel(nn.Module):
         model.safetensors.index.json; tokenizer.json and generation_config.json when present) or
         from an in-memory transformers LlamaForCausalLM (whose tensors are shared, not copied, when
         dtype and device already match). dtype defaults to the stored weights'."""
+        if dtype is not None and dtype not in DTYPES:
+            raise InvalidTypeError(f"dtype must be one of {DTYPES}, got {dtype!r}")
         tokenizer, gen = None, {}
         if isinstance(path_or_hf_model, (str, os.PathLike)):
             root = Path(path_or_hf_model)
+            if not root.is_dir():
+                raise CheckpointNotFoundError(f"no checkpoint directory {str(root)!r}")
+            where = f"checkpoint {str(root)!r}"
             config = LlamaConfig.from_pretrained(root)
             state = _load_safetensors(root)
             if (root / "tokenizer.json").is_file():
                 from tokenizers import Tokenizer
 
-                tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
+                tokenizer = _read_checkpoint_file(
+                    root / "tokenizer.json", lambda f: Tokenizer.from_file(str(f))
+                )
             if (root / "generation_config.json").is_file():
-                gen = json.loads((root / "generation_config.json").read_text())
+                gen = _read_checkpoint_file(root / "generation_config.json", _read_json)
         elif hasattr(path_or_hf_model, "state_dict") and hasattr(path_or_hf_model, "config"):
+            where = f"the {type(path_or_hf_model).__name__}"
             config = LlamaConfig.from_dict(path_or_hf_model.config.to_dict())
             state = path_or_hf_model.state_dict()
             g = getattr(path_or_hf_model, "generation_config", None)
             gen = {"eos_token_id": getattr(g, "eos_token_id", None)}
             device = device if device is not None else next(path_or_hf_model.parameters()).device
         else:
-            raise TypeError(
+            raise InvalidTypeError(
                 f"path_or_hf_model must be a directory path or a transformers model, "
                 f"got {type(path_or_hf_model).__name__}"
             )
         if "model.embed_tokens.weight" not in state:
-            raise ValueError("the checkpoint has no model.embed_tokens.weight: not a Llama checkpoint")
+            raise CheckpointError(f"{where} has no model.embed_tokens.weight: not a Llama checkpoint")
         dtype = dtype if dtype is not None else state["model.embed_tokens.weight"].dtype
         if dtype not in DTYPES:
-            raise TypeError(f"dtype must be one of {DTYPES}, got {dtype}")
+            raise CheckpointError(f"{where} stores {dtype} weights; pass dtype= one of {DTYPES} to convert")
         with torch.device("meta"):  # no memory, no random init: the weights come next
             model = cls(config)
-        model._load_hf_state_dict(state, dtype, torch.device(device or "cpu"))
+        model._load_hf_state_dict(state, dtype, torch.device(device or "cpu"), where)
         model.tokenizer = tokenizer
         eos = gen.get("eos_token_id")
         if eos is not None:
             model.eos_token_ids = tuple(eos if isinstance(eos, list) else [eos])
         return model.eval()
 
-    def _load_hf_state_dict(self, state: dict, dtype: torch.dtype, device: torch.device) -> None:
+    def _load_hf_state_dict(self, state: dict, dtype: torch.dtype, device: torch.device, where: str) -> None:
         expected = {n: p.shape for n, p in self.named_parameters()}  # a tied lm_head appears once
         tensors = {}
         for key, t in state.items():
@@ -460,17 +499,15 @@ class LlamaModel(nn.Module):
             if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and name not in expected):
                 continue  # recomputed here / tied to the embedding
             if name not in expected:
-                raise ValueError(f"unexpected weight {key!r} for a Llama model")
+                raise CheckpointError(f"{where} has weight {key!r}, unexpected for a Llama model")
             if tuple(t.shape) != tuple(expected[name]):
-                raise ValueError(
-                    f"weight {key!r} has shape {tuple(t.shape)}, expected {tuple(expected[name])}"
+                raise CheckpointError(
+                    f"{where}: weight {key!r} has shape {tuple(t.shape)}, expected {tuple(expected[name])}"
                 )
             tensors[name] = t.to(device=device, dtype=dtype)
         missing = sorted(set(expected) - set(tensors))
         if missing:
-            raise ValueError(
-                f"the checkpoint lacks weights {missing[:5]}{' ...' if len(missing) > 5 else ''}"
-            )
+            raise CheckpointError(f"{where} lacks weights {missing[:5]}{' ...' if len(missing) > 5 else ''}")
         self.load_state_dict(tensors, strict=False, assign=True)
         if self.config.tie_word_embeddings:  # assign=True replaced the parameter: tie again
             self.lm_head.weight = self.embed_tokens.weight
@@ -481,13 +518,16 @@ def _load_safetensors(root: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     if (root / "model.safetensors").is_file():
-        return load_file(root / "model.safetensors")
+        return _read_checkpoint_file(root / "model.safetensors", load_file)
     index = root / "model.safetensors.index.json"
     if not index.is_file():
-        raise FileNotFoundError(
+        raise CheckpointNotFoundError(
             f"{str(root)!r} has neither model.safetensors nor model.safetensors.index.json"
         )
+    weight_map = _read_checkpoint_file(index, _read_json).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{str(index)!r} has no weight_map object (tensor name -> shard file)")
     state = {}
-    for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
-        state.update(load_file(root / shard))
+    for shard in sorted(set(weight_map.values())):
+        state.update(_read_checkpoint_file(root / shard, load_file))
     return state
