@@ -10,7 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from vllmini import BlockAllocator, BlockManager, BlockTable, OutOfBlocksError, VllminiError
 from vllmini.block_table import block_fill
-from vllmini.errors import InvalidArgumentError, InvalidIndexError
+from vllmini.errors import InvalidIndexError
 
 
 def table_state(t: BlockTable):
@@ -262,7 +262,7 @@ def test_allocate_twice_and_unknown_ids_raise():
     m = BlockManager(4, 2)
     m.allocate(1, 3)
     before = manager_state(m)
-    with pytest.raises(InvalidArgumentError, match="seq_id 1 already exists"):
+    with pytest.raises(VllminiError, match="seq_id 1 already exists"):
         m.allocate(1, 1)
     for call in (
         lambda: m.append(7),
@@ -274,9 +274,9 @@ def test_allocate_twice_and_unknown_ids_raise():
         lambda: m.slot_mapping(7),
         lambda: m.build_block_tables([1, 7]),
     ):
-        with pytest.raises(InvalidArgumentError, match="unknown seq_id 7"):
+        with pytest.raises(VllminiError, match="unknown seq_id 7"):
             call()
-    with pytest.raises(InvalidArgumentError, match="seq_id 1 already exists"):
+    with pytest.raises(VllminiError, match="seq_id 1 already exists"):
         m.fork(1, 1)
     assert manager_state(m) == before
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from vllmini.allocator import BlockAllocator
 from vllmini.checks import as_int, cdiv
-from vllmini.errors import InvalidArgumentError, InvalidIndexError, InvalidTypeError, OutOfBlocksError
+from vllmini.errors import InvalidIndexError, InvalidTypeError, OutOfBlocksError, VllminiError
 
 if TYPE_CHECKING:
     import torch
@@ -171,7 +171,7 @@ class BlockManager:
         try:
             return self._tables[seq_id]
         except (KeyError, TypeError):
-            raise InvalidArgumentError(f"unknown seq_id {seq_id!r}; known: {self.seq_ids}") from None
+            raise VllminiError(f"unknown seq_id {seq_id!r}; known: {self.seq_ids}") from None
 
     def seq_len(self, seq_id) -> int:
         return self.block_table(seq_id).num_tokens
@@ -190,7 +190,7 @@ class BlockManager:
     def allocate(self, seq_id: Hashable, num_tokens: int) -> list[int]:
         """Start a sequence holding `num_tokens` tokens; returns their slots."""
         if seq_id in self._tables:
-            raise InvalidArgumentError(f"seq_id {seq_id!r} already exists")
+            raise VllminiError(f"seq_id {seq_id!r} already exists")
         if not self.can_allocate(num_tokens):
             needed = cdiv(num_tokens, self.block_size)
             raise OutOfBlocksError(
@@ -214,7 +214,7 @@ class BlockManager:
         """Start `child_id` as a copy of `parent_id` that shares all its blocks (e.g. parallel sampling)."""
         parent = self.block_table(parent_id)
         if child_id in self._tables:
-            raise InvalidArgumentError(f"seq_id {child_id!r} already exists")
+            raise VllminiError(f"seq_id {child_id!r} already exists")
         self._tables[child_id] = parent.fork()
 
     def free(self, seq_id) -> None:
