@@ -115,6 +115,8 @@ def test_config_from_transformers_dict_and_file(checkpoint):
             r"type 'llama3' lacks \['low_freq_factor', 'high_freq_factor', 'orig",
         ),
         ({"rope_theta": 0.0}, "rope_theta must be > 0"),
+        ({"num_attention_heads": 0}, "num_attention_heads must be >= 1, got 0"),
+        ({"hidden_size": 2}, "head_dim must be >= 1, got 0"),
         ({"vocab_size": None, "hidden_size": None}, r"config lacks \['vocab_size', 'hidden_size'\]"),
         ({"rms_norm_eps": -1e-6}, "rms_norm_eps"),
     ],

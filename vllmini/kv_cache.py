@@ -133,15 +133,12 @@ class PagedKVCache:
         if dtype not in CACHE_DTYPES:
             raise InvalidTypeError(f"dtype must be one of {list(CACHE_DTYPES)}, got {dtype!r}")
         device = torch.device(device)
-        given = [
-            n
-            for n, v in (
-                ("num_blocks", num_blocks),
-                ("memory_bytes", memory_bytes),
-                ("gpu_memory_utilization", gpu_memory_utilization),
-            )
-            if v is not None
-        ]
+        sizes = {
+            "num_blocks": num_blocks,
+            "memory_bytes": memory_bytes,
+            "gpu_memory_utilization": gpu_memory_utilization,
+        }
+        given = [name for name, v in sizes.items() if v is not None]
         if len(given) != 1:
             raise InvalidArgumentError(
                 f"give exactly one of num_blocks, memory_bytes, gpu_memory_utilization; got {given or 'none'}"

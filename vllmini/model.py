@@ -66,20 +66,13 @@ class LlamaConfig:
     eos_token_id: int | list[int] | None = None
 
     def __post_init__(self):
+        for name in "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads".split():
+            setattr(self, name, as_int(getattr(self, name), name, min=1))
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "max_position_embeddings",
-        ):
+        for name in ("num_key_value_heads", "head_dim", "max_position_embeddings"):
             setattr(self, name, as_int(getattr(self, name), name, min=1))
         self.rms_norm_eps = as_float(self.rms_norm_eps, "rms_norm_eps", min=0.0)
         self.rope_theta = as_float(self.rope_theta, "rope_theta")
