@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllmini.checks import as_float, as_index, as_int, cdiv, check_tensor
+from vllmini.checks import as_float, as_index, as_int, as_pair, cdiv, check_tensor
 from vllmini.errors import InvalidArgumentError, InvalidIndexError, InvalidTypeError
 
 
@@ -54,6 +54,13 @@ def test_as_index_is_an_index_error():
         with pytest.raises(InvalidIndexError, match=rf"layer must be in \[0, 3\), got {bad}"):
             as_index(bad, "layer", 3)
     assert issubclass(InvalidIndexError, IndexError)
+
+
+def test_as_pair():
+    assert as_pair(np.array([3, 4]), "p") == (3, 4) and as_pair([None, 1], "p") == (None, 1)
+    for bad in ((1,), (1, 2, 3), 5, None):
+        with pytest.raises(InvalidArgumentError, match="p must be a pair, got"):
+            as_pair(bad, "p")
 
 
 def test_cdiv():

@@ -244,8 +244,8 @@ def test_copy_blocks_copies_every_layer_reading_before_writing():
         ([(0, 4)], BlockIdError, r"block id 4 in pair \(0, 4\) is out of range \[0, 4\)"),
         ([(-1, 0)], BlockIdError, "block id -1"),
         ([(0, 3), (1, 3)], A, "destination block appears more than once"),
-        ([(0,)], A, r"each pair must be \(src_block, dst_block\), got \(0,\)"),
-        ([5], A, "each pair must be"),
+        ([(0,)], A, r"each \(src_block, dst_block\) must be a pair, got \(0,\)"),
+        ([5], A, "must be a pair, got 5"),
         ([(0.0, 1)], T, "src_block must be an int, got float 0.0"),
         ([(0, True)], T, "dst_block must be an int, got bool"),
     ):

@@ -281,6 +281,10 @@ def test_fits_by_hand():
         (lambda: reserved_slots(10, "paged", block_size=0), "block_size"),
         (lambda: reserved_slots(10, "paged", num_tokens=11), "num_tokens"),
         (lambda: static_reservation([(0, 5)], 2048), r"\(0, 5\)"),
+        (
+            lambda: static_reservation([(5,)], 2048),
+            r"each request \(input_len, output_len\) must be a pair, got \(5,\)",
+        ),
         (lambda: static_reservation([(10, -1)], 2048), r"\(10, -1\)"),
         (lambda: static_reservation([(2000, 100)], 2048), r"\(2000, 100\)"),
         (lambda: static_reservation([(1, 1)], 2048, progress=1.5), "1.5"),

@@ -46,6 +46,15 @@ def as_index(value, name: str, size: int) -> int:
     return value
 
 
+def as_pair(value, name: str) -> tuple:
+    """`value` unpacked as two items, e.g. a (src_block, dst_block) pair; `name` says which pair."""
+    try:
+        first, second = value
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"{name} must be a pair, got {value!r}") from None
+    return first, second
+
+
 def as_float(
     value,
     name: str,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllmini.checks import as_float, as_index, as_int, check_tensor
+from vllmini.checks import as_float, as_index, as_int, as_pair, check_tensor
 from vllmini.errors import BlockIdError, InvalidArgumentError, InvalidTypeError
 
 CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # what attention can read
@@ -221,10 +221,7 @@ class PagedKVCache:
 
     def _check_pair(self, pair) -> tuple[int, int]:
         """(src_block, dst_block) as two block ids of this cache."""
-        try:
-            src, dst = pair
-        except (TypeError, ValueError):
-            raise InvalidArgumentError(f"each pair must be (src_block, dst_block), got {pair!r}") from None
+        src, dst = as_pair(pair, "each (src_block, dst_block)")
         ids = as_int(src, "src_block"), as_int(dst, "dst_block")
         for b in ids:
             if not 0 <= b < self.num_blocks:

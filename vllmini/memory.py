@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vllmini.checks import as_float, as_int, cdiv, one_of
+from vllmini.checks import as_float, as_int, as_pair, cdiv, one_of
 from vllmini.errors import InvalidArgumentError, InvalidTypeError
 
 SCHEMES = ("static", "pow2", "oracle", "paged")
@@ -179,10 +179,7 @@ class Reservation:
 
 def _check_requests(requests: Sequence[tuple[int, int]], max_len: int | None) -> None:
     for req in requests:
-        try:
-            inp, out = req
-        except (TypeError, ValueError):
-            raise InvalidArgumentError(f"each request must be (input_len, output_len), got {req!r}") from None
+        inp, out = as_pair(req, "each request (input_len, output_len)")
         inp = as_int(inp, f"input_len of request {req!r}", min=1)
         out = as_int(out, f"output_len of request {req!r}", min=0)
         if max_len is not None and inp + out > max_len:
