@@ -719,6 +719,8 @@ def draw_flat_batch(
             s - 0.04, 1.15, f"query_start_loc[{i}] = {s}", rotation=30, fontsize=7, ha="left", va="bottom"
         )
     ax.text(-0.3, 0.4, "flat query", ha="right", va="center", fontsize=9, weight="bold")
+    ax.set_title("light: already in the cache; solid: this forward's new tokens (numbers: positions)",
+                 fontsize=9, loc="left")  # fmt: skip
     ax.set_xlim(-6.5, width + 0.5)
     ax.set_ylim(-1.6 - len(qlens), 3.2)
     ax.set_xticks(range(0, width + 1, 2 if width <= 30 else 5))
