@@ -214,8 +214,8 @@ def check_gather_bytes(nbytes: int) -> None:
         f"got {nbytes:,}; count keys AND values, 2 bytes each, for every token of every sequence"
     )
     _ok(
-        f"{want / GiB:.0f} GiB copied, exactly what attention then reads again: "
-        "the gather doubles the traffic"
+        f"{want / GiB:.0f} GiB copied (read and written), then read again by attention: "
+        "three passes over memory instead of one"
     )
 
 
