@@ -876,7 +876,15 @@ def draw_pipeline(*, figsize: tuple[float, float] = (13, 3.2)) -> Figure:
                                     alpha=0.18, edgecolor=PALETTE[i % 9], lw=2))  # fmt: skip
         ax.text(x + 0.8, 1.05, name, ha="center", va="center", fontsize=10, weight="bold", family="monospace")
         ax.text(x + 0.8, 0.55, what, ha="center", va="center", fontsize=8)
-        ax.text(x + 0.8, -0.25, f"notebook {nb}", ha="center", va="center", fontsize=8, color="#555555")
+        ax.text(
+            x + 0.8,
+            -0.25,
+            f"notebook{'s' if ',' in nb else ''} {nb}",
+            ha="center",
+            va="center",
+            fontsize=8,
+            color="#555555",
+        )
         if i < n - 1:
             ax.annotate("", (x + 1.88, 0.65), (x + 1.66, 0.65), arrowprops=dict(arrowstyle="->", lw=1.5))
     flow = "block ids  ->  page tables  ->  KV cache  ->  attention  ->  model  ->  scheduler  ->  engine"
