@@ -444,3 +444,17 @@ def test_draw_pipeline_names_every_piece_in_order():
     import vllmini
 
     assert all(hasattr(vllmini, name) for name in names)  # every box is a public name of the package
+
+
+def test_plot_requests_that_fit_draws_each_curve_and_the_paper():
+    from vllmini.viz import plot_requests_that_fit
+
+    budgets = [2, 4, 6]
+    curves = {
+        (w, s): [k * b for b in budgets] for w in ("A", "B") for k, s in enumerate(("static", "paged"), 1)
+    }
+    paper = {key: 3.0 for key in curves}
+    fig = plot_requests_that_fit(budgets, curves, paper, paper_budget=4)
+    assert len(fig.axes) == 2
+    ys = [list(line.get_ydata()) for line in fig.axes[0].lines]
+    assert [2, 4, 6] in ys and [4, 8, 12] in ys and ys.count([3.0]) == 2

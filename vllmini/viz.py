@@ -894,3 +894,28 @@ def draw_pipeline(*, figsize: tuple[float, float] = (13, 3.2)) -> Figure:
     ax.set_axis_off()
     fig.tight_layout()
     return fig
+
+
+def plot_requests_that_fit(
+    budgets, curves: dict, paper: dict, *, paper_budget: float, subtitle: str = "",
+    figsize: tuple[float, float] = (11, 4),
+) -> Figure:  # fmt: skip
+    """One plot per workload: requests that fit against the KV budget, one line per scheme, with the
+    paper's measurement as a diamond. curves, paper: {(workload, scheme): list of counts | count}."""
+    import matplotlib.pyplot as plt
+
+    workloads = list(dict.fromkeys(w for w, _ in curves))
+    schemes = list(dict.fromkeys(s for _, s in curves))
+    fig, axes = plt.subplots(1, len(workloads), figsize=figsize, squeeze=False)
+    for ax, w in zip(axes[0], workloads, strict=True):
+        for s in schemes:
+            color = SCHEME_COLORS.get(s, "C0")
+            ax.plot(budgets, curves[w, s], color=color, lw=2, label=s)
+            ax.plot(paper_budget, paper[w, s], "D", color=color, markeredgecolor="black", ms=7)
+        ax.plot([], [], "D", color="white", markeredgecolor="black", label="paper, mean batch (Fig. 13)")
+        ax.axvline(paper_budget, color="black", lw=0.8, ls=":")
+        ax.set(title=f"{w}{', ' + subtitle if subtitle else ''}", xlabel="KV cache budget (GB)",
+               ylabel="requests that fit")  # fmt: skip
+        ax.legend(frameon=False, fontsize=8)
+    fig.tight_layout()
+    return fig
