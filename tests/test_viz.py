@@ -291,3 +291,170 @@ def test_explorer_displays_its_widget_with_a_text_hint(monkeypatch):
     assert bundle["application/vnd.jupyter.widget-view+json"]["model_id"] == explorer.widget.model_id
     assert bundle["text/plain"].startswith("PageTableExplorer(8 blocks of 4)")
     assert "(-)" in explorer.status_text()  # nothing allocated: no made-up 100%
+
+
+# ---- course pictures (notebooks 01, 04, 06)
+
+
+def test_draw_reservations_draws_one_square_per_slot_per_scheme():
+    from matplotlib.patches import Rectangle
+
+    from vllmini.viz import EMPTY_FACE, OUTPUT_FACE, PROMPT_FACE, draw_reservations
+
+    reqs = [(5, 3), (2, 4), (9, 5)]
+    fig = draw_reservations(reqs, max_len=16, block_size=4)
+    static, paged = fig.axes[:2]
+    for ax in (static, paged):
+        cells = [p for p in ax.patches if isinstance(p, Rectangle)]
+        assert len(cells) == 3 * 16
+        faces = [to_hex(p.get_facecolor()).lower() for p in cells]
+        assert faces.count(PROMPT_FACE.lower()) == 16 and faces.count(OUTPUT_FACE.lower()) == 12
+    empty = lambda ax: sum(to_hex(p.get_facecolor()).lower() == EMPTY_FACE.lower() for p in ax.patches)  # noqa: E731
+    assert empty(static) == 48 - 28 and empty(paged) == 32 - 28
+    assert "28 of 48" in static.get_title(loc="left") and "28 of 32" in paged.get_title(loc="left")
+
+
+def test_draw_prefill_and_decode_counts_reads():
+    from vllmini.viz import draw_prefill_and_decode
+
+    fig = draw_prefill_and_decode(prompt_len=5, num_decode_steps=3)
+    prefill, decode = fig.axes[:2]
+    assert len(prefill.patches) == 25  # a 5 x 5 grid, the causal triangle coloured
+    assert len(decode.patches) == sum(5 + t + 1 for t in range(3))  # step t reads 5 + t, writes 1
+    assert "15 query-key products" in prefill.get_title(loc="left")
+
+
+def test_plot_token_shares_and_length_sweeps_plot_the_given_numbers():
+    from vllmini.viz import plot_length_sweeps, plot_token_shares
+
+    schemes = ("static", "pow2", "oracle", "paged")
+    share = {(w, snap, s): 0.1 * (k + 1) + (0.05 if snap == "half" else 0) for w in ("A", "B")
+             for snap in ("done", "half") for k, s in enumerate(schemes)}  # fmt: skip
+    paper = {s: 0.2 * (k + 1) for k, s in enumerate(schemes)}
+    fig = plot_token_shares(share, paper)
+    heights = sorted(round(p.get_height(), 6) for p in fig.axes[0].patches)
+    assert heights == sorted(round(v, 6) for v in list(share.values()) + list(paper.values()))
+    sweep = {}
+    for w in ("A", "B"):
+        for m in (512, 1024):
+            sweep[w, "static", "max_len", m] = (0.2, 512 / m)
+            sweep[w, "paged", "max_len", m] = (0.9, 30.0)
+        for b in (8, 16):
+            sweep[w, "paged", "block", b] = (1 - b / 100, 40 - b)
+    fig = plot_length_sweeps(sweep, [512, 1024], [8, 16], budget_label="1 GB", default_max_len=1024)
+    top_right = fig.axes[1]
+    ys = [list(line.get_ydata()) for line in top_right.lines]
+    assert [0.92, 0.84] in [[round(y, 6) for y in v] for v in ys]
+
+
+def test_draw_causal_mask_shows_exactly_the_mask():
+    import numpy as np
+
+    from vllmini.viz import draw_causal_mask
+
+    mask = np.arange(7)[None, :] <= np.arange(4, 7)[:, None]
+    before = mask.copy()
+    fig = draw_causal_mask(mask, start=4)
+    (image,) = fig.axes[0].images
+    assert np.array_equal(np.asarray(image.get_array()).astype(bool), mask)
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["4", "5", "6"]
+    assert np.array_equal(mask, before)
+
+
+def test_draw_flat_batch_marks_query_start_loc():
+    from vllmini.viz import draw_flat_batch
+
+    fig = draw_flat_batch([3, 11], [7, 11], names="AB")
+    ax = fig.axes[0]
+    texts = [t.get_text() for t in ax.texts]
+    assert [t for t in texts if t.startswith("query_start_loc")] == [
+        "query_start_loc[0] = 0",
+        "query_start_loc[1] = 3",
+        "query_start_loc[2] = 14",
+    ]
+    assert len(ax.patches) == (3 + 11) + (7 + 11)  # the flat query, then each sequence's positions
+    numbers = [t for t in texts if t.isdigit()]
+    assert numbers == ["4", "5", "6"] + [str(p) for p in range(11)]  # positions of the new tokens
+
+
+def test_plot_request_timeline_colours_each_state():
+    from vllmini.viz import TIMELINE_STATES, plot_request_timeline
+
+    timeline = {0: ["prefill", "decode", "finished", None], 1: ["waiting", "prefill", "preempted", "waiting"]}
+    fig = plot_request_timeline(timeline)
+    ax = fig.axes[0]
+    assert len(ax.patches) == 7  # one cell per non-None state
+    faces = sorted(to_hex(p.get_facecolor()) for p in ax.patches)
+    want = sorted(to_hex(TIMELINE_STATES[s][0]) for row in timeline.values() for s in row if s is not None)
+    assert faces == want
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["0", "1", "2", "3"]
+
+
+def _fake_stats(n=6):
+    from types import SimpleNamespace
+
+    return [
+        SimpleNamespace(
+            step=i,
+            allocated_slots=8 + i,
+            num_tokens=6 + i,
+            pool_slots=20,
+            num_preemptions=int(i == 2),
+            num_decodes=i,
+            num_prefills=1,
+            batch_size=i + 1,
+        )  # fmt: skip
+        for i in range(n)
+    ]
+
+
+def test_plot_pool_and_batch_plots_the_stats():
+    from vllmini.viz import plot_pool_and_batch
+
+    stats = _fake_stats()
+    fig = plot_pool_and_batch(stats)
+    pool, batch = fig.axes[:2]
+    assert list(pool.lines[0].get_ydata()) == [s.allocated_slots for s in stats]
+    assert list(pool.lines[1].get_ydata()) == [s.num_tokens for s in stats]
+    assert sum(1 for line in pool.lines if list(line.get_xdata()) == [2, 2]) == 1  # the preemption
+    tops = sorted(p.get_y() + p.get_height() for p in batch.patches)
+    assert tops[-1] == 6  # 5 decodes + 1 prefill at the last step
+
+
+def test_plot_engine_experiment_bars_are_the_results():
+    from vllmini.viz import plot_engine_experiment
+
+    pol = ("static", "oracle", "paged")
+    results = {(w, p): {"batch": 7.0 * (k + 1) * (j + 1), "kv_tokens": 0.3 * (k + 1)}
+               for j, w in enumerate(("sharegpt", "alpaca")) for k, p in enumerate(pol)}  # fmt: skip
+    paper = {w: {p: 1.0 for p in pol} for w in ("sharegpt", "alpaca")}
+    fig = plot_engine_experiment(results, {p: [0, 1, 3] for p in pol}, paper, {p: 0.5 for p in pol})
+    assert sorted(p.get_height() for p in fig.axes[0].patches) == sorted(r["batch"] for r in results.values())
+    assert [round(p.get_height(), 6) for p in fig.axes[1].patches] == [0.3, 0.6, 0.9]
+    assert len(fig.axes[2].lines) == 3
+
+
+def test_draw_pipeline_names_every_piece_in_order():
+    from vllmini.viz import PIPELINE, draw_pipeline
+
+    fig = draw_pipeline()
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    names = [t for t in texts if t in {name for name, _, _ in PIPELINE}]
+    assert names == [name for name, _, _ in PIPELINE]
+    import vllmini
+
+    assert all(hasattr(vllmini, name) for name in names)  # every box is a public name of the package
+
+
+def test_plot_requests_that_fit_draws_each_curve_and_the_paper():
+    from vllmini.viz import plot_requests_that_fit
+
+    budgets = [2, 4, 6]
+    curves = {
+        (w, s): [k * b for b in budgets] for w in ("A", "B") for k, s in enumerate(("static", "paged"), 1)
+    }
+    paper = {key: 3.0 for key in curves}
+    fig = plot_requests_that_fit(budgets, curves, paper, paper_budget=4)
+    assert len(fig.axes) == 2
+    ys = [list(line.get_ydata()) for line in fig.axes[0].lines]
+    assert [2, 4, 6] in ys and [4, 8, 12] in ys and ys.count([3.0]) == 2

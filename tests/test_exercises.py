@@ -1,0 +1,139 @@
+"""Tests for vllmini.exercises: every check accepts a right answer and rejects a wrong one."""
+
+import collections
+
+import pytest
+import torch
+
+from vllmini import exercises
+from vllmini.allocator import BlockAllocator
+from vllmini.attention import paged_attention
+
+
+def test_fp8_check():
+    per_token, tokens = exercises.fp8_answer()
+    assert per_token == 64 * 1024  # 2 x 32 layers x 8 kv heads x 128 x 1 byte
+    exercises.check_fp8_kv(per_token, tokens)
+    with pytest.raises(AssertionError, match="weights at 2 bytes"):
+        exercises.check_fp8_kv(per_token, (80 * 2**30 - 8_030_261_248) // per_token)  # weights at 1 byte
+
+
+def test_time_average_and_block_manager_checks():
+    static, paged = exercises.time_average_answer()
+    assert 0.14 < static < 0.24 and paged > 0.95
+    exercises.check_time_average(static + 0.005, paged)
+    with pytest.raises(AssertionError):
+        exercises.check_time_average(0.243, paged)  # the at-completion snapshot is not the answer
+    from vllmini import BlockManager, memory
+
+    bm = BlockManager(num_blocks=1024, block_size=16)
+    for k, (i, o) in enumerate(memory.sample_requests(30, "sharegpt", seed=0)):
+        bm.allocate(k, i + o)
+    exercises.check_block_manager_share(bm.utilization()["token_utilization"])
+    with pytest.raises(AssertionError):
+        exercises.check_block_manager_share(0.9)
+
+
+class Bitmap:
+    def __init__(self, n):
+        self.used = [False] * n
+
+    def allocate(self):
+        b = self.used.index(False)
+        self.used[b] = True
+        return b
+
+    def free(self, b):
+        self.used[b] = False
+
+
+class Fifo:
+    def __init__(self, n):
+        self.q = collections.deque(range(n))
+
+    def allocate(self):
+        return self.q.popleft()
+
+    def free(self, b):
+        self.q.append(b)
+
+
+def test_allocator_checks_tell_the_orders_apart():
+    exercises.check_bitmap_allocator(Bitmap)
+    exercises.check_fifo_allocator(Fifo)
+    with pytest.raises(AssertionError):
+        exercises.check_bitmap_allocator(Fifo)
+    with pytest.raises(AssertionError):
+        exercises.check_fifo_allocator(BlockAllocator)  # LIFO
+    exercises.check_first_difference([("allocate",)] * 3 + [("free", 0), ("free", 1)])
+    with pytest.raises(AssertionError):
+        exercises.check_first_difference([("allocate",)] * 3 + [("free", 1), ("free", 0)])
+
+
+class BrokenFork(BlockAllocator):
+    def fork(self, block_ids):
+        out = []
+        for b in block_ids:
+            self.incref(b)  # checks one id at a time: a bad id leaves the earlier ones changed
+            out.append(b)
+        return out
+
+
+def test_failed_fork_and_leak_detector_checks():
+    exercises.check_failed_fork_corrupts(BrokenFork, [("allocate",), ("fork", [0, 3])])
+    with pytest.raises(AssertionError):
+        exercises.check_failed_fork_corrupts(BlockAllocator, [("allocate",), ("fork", [0, 3])])
+
+    class Pool:  # notebook 02's RefCountedAllocator, reduced
+        def __init__(self, n):
+            self.free_list, self.ref_counts = list(range(n - 1, -1, -1)), [0] * n
+
+        def allocate(self):
+            b = self.free_list.pop()
+            self.ref_counts[b] = 1
+            return b
+
+        def free(self, b):
+            self.ref_counts[b] -= 1
+            if self.ref_counts[b] == 0:
+                self.free_list.append(b)
+
+        def fork(self, ids):
+            for b in ids:
+                self.ref_counts[b] += 1
+
+    class Good(Pool):
+        def check(self):
+            assert len(set(self.free_list)) == len(self.free_list)
+            for b, rc in enumerate(self.ref_counts):
+                assert (rc == 0) == (b in self.free_list)
+
+    class Lazy(Pool):
+        def check(self):
+            assert len(set(self.free_list)) == len(self.free_list)
+
+    exercises.check_leak_detector(Good)
+    with pytest.raises(AssertionError, match="did not notice"):
+        exercises.check_leak_detector(Lazy)
+
+
+def test_attention_checks():
+    exercises.check_gather_bytes(4 * 2**30)
+    with pytest.raises(AssertionError):
+        exercises.check_gather_bytes(2 * 2**30)  # keys only
+    exercises.check_slots_read(lambda bt, n, bs: [bt[t // bs] * bs + t % bs for t in range(n)])
+    with pytest.raises(AssertionError):
+        exercises.check_slots_read(lambda bt, n, bs: [t for t in range(n)])
+    exercises.check_batched_decode(lambda *a: paged_attention(*a, backend="torch"))
+    with pytest.raises(AssertionError):
+        exercises.check_batched_decode(lambda q, *a: torch.zeros_like(q))
+
+
+def test_engine_checks():
+    exercises.check_static_batch(lambda pool, m: pool // m)
+    with pytest.raises(AssertionError):
+        exercises.check_static_batch(lambda pool, m: round(pool / m))
+    timeline = {4: ["waiting", "waiting", "prefill", "decode", "preempted", "waiting", "prefill", "finished"]}
+    exercises.check_timeline(timeline, 4, first_admitted=2, steps_waiting=3)
+    with pytest.raises(AssertionError):
+        exercises.check_timeline(timeline, 4, first_admitted=2, steps_waiting=2)

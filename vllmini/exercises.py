@@ -1,0 +1,300 @@
+"""Checks for the course's exercises: call one with your answer and it says whether it is right.
+
+Each `check_*` computes the expected answer itself from the package's finished pieces (never a stored
+number), prints one line when the answer is right, and raises `AssertionError` with a hint when it is
+not. Worked solutions are in `notebooks/solutions/`. This module sits on top of the package, like
+`vllmini.viz`: nothing in the package imports it.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from vllmini import memory
+from vllmini.allocator import BlockAllocator
+from vllmini.checks import cdiv
+from vllmini.errors import VllminiError
+
+GiB = 2**30
+
+
+def _ok(msg: str) -> None:
+    print(f"correct: {msg}")
+
+
+# ---- notebook 01
+
+
+def fp8_answer(gpu_bytes: int = 80 * GiB) -> tuple[int, int]:
+    """Llama-3-8B with an fp8 KV cache and fp16 weights: (KV bytes per token, KV tokens on the GPU)."""
+    shape = memory.LLAMA_3_8B
+    per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_size * 1
+    return per_token, (gpu_bytes - shape.num_params * 2) // per_token
+
+
+def check_fp8_kv(kv_bytes_per_token: int, kv_tokens: int) -> None:
+    """Exercise 01.1: the KV bytes per token of an fp8 Llama-3-8B cache and the tokens that fit on
+    80 GiB next to its fp16 weights."""
+    want_bytes, want_tokens = fp8_answer()
+    assert kv_bytes_per_token == want_bytes, (
+        f"KV bytes per token: got {kv_bytes_per_token}; count 2 (K and V) x layers x kv heads x head_size x "
+        "1 byte"
+    )
+    assert kv_tokens == want_tokens, (
+        f"tokens that fit: got {kv_tokens}; subtract the weights at 2 bytes per parameter (not 1), then "
+        "divide by the fp8 bytes per token"
+    )
+    _ok(f"{want_bytes // 1024} KiB per token, {want_tokens:,} tokens: about twice the fp16 cache's tokens")
+
+
+def time_average_answer(n: int = 200_000, seed: int = 0) -> tuple[float, float]:
+    """ShareGPT-like requests, each at its own uniform progress through its output: (static share,
+    paged share) of reserved slots holding tokens, max_len 2048, block size 16."""
+    reqs = memory.sample_requests(n, "sharegpt", max_len=2048, seed=seed)
+    inp = np.array([r[0] for r in reqs])
+    out = np.array([r[1] for r in reqs])
+    held = inp + np.rint(np.random.default_rng(seed + 1).uniform(0, 1, n) * out).astype(np.int64)
+    return held.sum() / (2048 * n), held.sum() / (-(-held // 16) * 16).sum()
+
+
+def check_time_average(static_share: float, paged_share: float) -> None:
+    """Exercise 01.2: static and paged shares with every request at a random point of its output."""
+    want_static, want_paged = time_average_answer()
+    assert abs(static_share - want_static) < 0.01, (
+        f"static share {static_share:.3f}: held tokens / (2048 x requests); each request holds its prompt "
+        "plus "
+        "a uniform fraction of its output"
+    )
+    assert abs(paged_share - want_paged) < 0.01, (
+        f"paged share {paged_share:.3f}: held tokens / slots of the whole blocks those tokens fill"
+    )
+    _ok(f"static about {want_static:.1%}, paged about {want_paged:.1%} (the paper measured 20.4% and 96.3%)")
+
+
+def check_block_manager_share(token_utilization: float, n: int = 30, seed: int = 0) -> None:
+    """Exercise 01.4: a BlockManager holding n ShareGPT-like requests at final length vs the formula."""
+    reqs = memory.sample_requests(n, "sharegpt", seed=seed)
+    want = memory.paged_reservation(reqs, 16).token_share
+    assert math.isclose(token_utilization, want, rel_tol=1e-12), (
+        f"got {token_utilization}, expected the same as memory.paged_reservation(requests, 16).token_share; "
+        f"did you allocate sample_requests({n}, 'sharegpt', seed={seed}) at prompt + output tokens each?"
+    )
+    _ok(f"both say {want:.4%}: each holds ceil(tokens / 16) blocks, so the counts are the same integers")
+
+
+# ---- notebook 02
+
+
+def _ops_agree(make_mine: Callable, next_ids: Callable, num_blocks: int, num_ops: int, seed: int) -> None:
+    rng = random.Random(seed)
+    mine, in_use = make_mine(num_blocks), set()
+    for _ in range(num_ops):
+        if in_use and (len(in_use) == num_blocks or rng.random() < 0.45):
+            b = rng.choice(sorted(in_use))
+            mine.free(b)
+            next_ids("free", b)
+            in_use.discard(b)
+        else:
+            got, want = mine.allocate(), next_ids("allocate", None)
+            assert got == want, (
+                f"allocate() returned {got}, expected {want} "
+                f"(free blocks: {sorted(set(range(num_blocks)) - in_use)})"
+            )
+            in_use.add(got)
+
+
+def check_bitmap_allocator(cls: type) -> None:
+    """Exercise 02.1: cls(num_blocks) always hands out the lowest free block id."""
+    used: set[int] = set()
+
+    def lowest(op, b):
+        if op == "free":
+            used.discard(b)
+            return None
+        b = min(set(range(8)) - used)
+        used.add(b)
+        return b
+
+    _ops_agree(cls, lowest, 8, 500, seed=0)
+    _ok("the bitmap allocator always returns the lowest free id")
+
+
+def check_first_difference(ops: list) -> None:
+    """Exercise 02.1: a list of ("allocate",) / ("free", b) calls after which the LIFO free list and the
+    lowest-free-id bitmap hand out different ids on the next allocate()."""
+    lifo, bitmap_used = BlockAllocator(16), set()
+    for op in ops:
+        if op[0] == "allocate":
+            got = lifo.allocate()
+            low = min(set(range(16)) - bitmap_used)
+            assert got == low, (
+                f"they already differ at {op}: LIFO {got}, bitmap {low}; make that your last call"
+            )
+            bitmap_used.add(low)
+        else:
+            lifo.free(op[1])
+            bitmap_used.discard(op[1])
+    nxt, low = lifo.free_block_ids[0], min(set(range(16)) - bitmap_used)
+    assert nxt != low, f"after these calls both hand out block {nxt} next"
+    _ok(f"next allocate(): LIFO gives {nxt}, the bitmap {low}")
+
+
+def check_fifo_allocator(cls: type) -> None:
+    """Exercise 02.2: cls(num_blocks) hands out the block freed longest ago first (fresh ones in order)."""
+    queue: list[int] = list(range(8))
+
+    def fifo(op, b):
+        if op == "free":
+            queue.append(b)
+            return None
+        return queue.pop(0)
+
+    _ops_agree(cls, fifo, 8, 500, seed=1)
+    _ok("the FIFO allocator hands out the least recently freed block first")
+
+
+def check_failed_fork_corrupts(broken_cls: type, ops: list) -> None:
+    """Exercise 02.3: ops, e.g. [("allocate",), ("fork", [0, 3])], leave broken_cls's ref counts
+    different from the package's all-or-nothing BlockAllocator's (errors raised by a call are caught)."""
+    good, bad = BlockAllocator(4), broken_cls(4)
+    for op in ops:
+        for a in (good, bad):
+            try:
+                getattr(a, op[0])(*op[1:])
+            except VllminiError:
+                pass
+    counts_good = [good.ref_count(b) for b in range(4)]
+    counts_bad = [bad.ref_count(b) for b in range(4)]
+    assert counts_good != counts_bad, f"the ref counts agree ({counts_good}): the failed fork changed nothing"
+    _ok(f"ref counts after the failed fork: all-or-nothing {counts_good}, broken {counts_bad}")
+
+
+def check_leak_detector(cls: type) -> None:
+    """Exercise 02.4: cls (notebook 02's RefCountedAllocator with a check() method) passes on valid states
+    and raises AssertionError on each kind of corruption."""
+    a = cls(6)
+    ids = [a.allocate() for _ in range(4)]
+    a.fork(ids[:2])
+    a.free(ids[3])
+    a.check()  # a valid state must pass
+    corruptions = {
+        "a block twice on the free list": lambda x: x.free_list.append(x.free_list[-1]),
+        "a used block on the free list": lambda x: x.free_list.append(0),
+        "a free block missing from the free list": lambda x: x.free_list.pop(),
+        "a block with ref count 0 off the free list": lambda x: x.ref_counts.__setitem__(1, 0),
+    }
+    for name, corrupt in corruptions.items():
+        b = cls(6)
+        for _ in range(4):
+            b.allocate()
+        b.fork([0, 1])
+        b.free(3)
+        corrupt(b)
+        try:
+            b.check()
+        except AssertionError:
+            continue
+        raise AssertionError(f"check() did not notice {name}")
+    _ok(f"check() passes a valid pool and catches all {len(corruptions)} corruptions")
+
+
+# ---- notebook 04
+
+
+def check_gather_bytes(nbytes: int) -> None:
+    """Exercise 04.1: bytes the naive gather copies for 64 sequences x 4096 tokens, 32 KV heads of 128,
+    fp16 (keys and values)."""
+    want = 2 * 64 * 4096 * 32 * 128 * 2
+    assert nbytes == want, (
+        f"got {nbytes:,}; count keys AND values, 2 bytes each, for every token of every sequence"
+    )
+    _ok(
+        f"{want / GiB:.0f} GiB copied (read and written), then read again by attention: "
+        "three passes over memory instead of one"
+    )
+
+
+def check_slots_read(fn: Callable) -> None:
+    """Exercise 04.3: fn(block_table, seq_len, block_size) -> the slot ids a decode query reads, in order."""
+    rng = random.Random(0)
+    for _ in range(200):
+        bs = rng.choice([1, 2, 4, 16])
+        seq_len = rng.randint(1, 40)
+        pages = rng.sample(range(64), cdiv(seq_len, bs)) + [-1] * rng.randint(0, 2)
+        want = [pages[t // bs] * bs + t % bs for t in range(seq_len)]
+        got = [int(s) for s in fn(list(pages), seq_len, bs)]
+        assert got == want, (
+            f"block_table {pages}, seq_len {seq_len}, block_size {bs}: got {got}, expected {want}"
+        )
+    _ok("slot of token t = block_table[t // block_size] * block_size + t % block_size, for t < seq_len")
+
+
+def check_batched_decode(fn: Callable) -> None:
+    """Exercise 04.4: fn(query, key_cache, value_cache, block_tables, seq_lens) equals paged_attention
+    on random GQA batches with NaN in every slot nobody owns."""
+    from vllmini.attention import paged_attention
+
+    g = torch.Generator().manual_seed(0)
+    for seq_lens, heads, kv_heads, bs in [([1, 5, 8, 9], 4, 2, 4), ([17, 3, 32], 8, 8, 16), ([7], 2, 1, 2)]:
+        pages = [cdiv(n, bs) for n in seq_lens]
+        nb = 2 * sum(pages)
+        perm = torch.randperm(nb, generator=g).tolist()
+        tables = torch.full((len(seq_lens), max(pages) + 1), -1, dtype=torch.int32)
+        kc = torch.full((nb, bs, kv_heads, 8), float("nan"))
+        vc = torch.full_like(kc, float("nan"))
+        for s, n in enumerate(seq_lens):
+            tables[s, : pages[s]] = torch.tensor([perm.pop() for _ in range(pages[s])])
+            slots = torch.tensor([int(tables[s, t // bs]) * bs + t % bs for t in range(n)])
+            kc.view(-1, kv_heads, 8)[slots] = torch.randn(n, kv_heads, 8, generator=g)
+            vc.view(-1, kv_heads, 8)[slots] = torch.randn(n, kv_heads, 8, generator=g)
+        q = torch.randn(len(seq_lens), heads, 8, generator=g)
+        sl = torch.tensor(seq_lens, dtype=torch.int32)
+        want = paged_attention(q, kc, vc, tables, sl, backend="torch")
+        got = fn(q, kc, vc, tables, sl)
+        assert not got.isnan().any(), f"NaN in the output for seq_lens {seq_lens}: a padded slot leaked"
+        assert torch.allclose(got, want, atol=1e-5), (
+            f"seq_lens {seq_lens}: max |diff| {(got - want).abs().max():.2e}"
+        )
+    _ok("your batched decode matches vllmini.paged_attention on three GQA batches, no NaN leaked")
+
+
+# ---- notebook 06
+
+
+def check_static_batch(fn: Callable) -> None:
+    """Exercise 06.3: fn(pool_slots, max_model_len) -> how many requests the static policy runs at once
+    (with an endless queue), checked against the engine itself on a tiny model."""
+    from vllmini.engine import LLMEngine, SamplingParams
+    from vllmini.model import LlamaConfig, LlamaModel
+
+    for pool, max_len in [(1920, 256), (1920, 128), (1000, 256), (64, 32), (63, 32)]:
+        want = pool // max_len
+        got = fn(pool, max_len)
+        assert got == want, f"pool {pool} slots, max_model_len {max_len}: got {got}, expected {want}"
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)  # fmt: skip
+    engine = LLMEngine(LlamaModel(cfg).eval(), block_size=4, num_blocks=24, max_model_len=32, policy="static")
+    for _ in range(8):
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()
+    assert engine.stats[0].batch_size == fn(96, 32), "the engine disagrees: read Scheduler._reserve"
+    _ok("static admits pool_slots // max_model_len requests, however short they are")
+
+
+def check_timeline(timeline: dict, request_id: int, first_admitted: int, steps_waiting: int) -> None:
+    """Exercise 06.2: for request_id in the recorded timeline, the step it was first admitted and the
+    number of steps it spent waiting in all (before its first admission and after preemptions)."""
+    states = timeline[request_id]
+    want_first = states.index("prefill")
+    want_wait = sum(s == "waiting" for s in states)
+    assert first_admitted == want_first, (
+        f"first admitted: got step {first_admitted}; find the first dark-blue cell"
+    )
+    assert steps_waiting == want_wait, f"steps waiting: got {steps_waiting}; count the grey cells of its row"
+    _ok(f"request {request_id}: first admitted at step {want_first}, waited {want_wait} steps in all")
