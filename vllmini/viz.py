@@ -473,7 +473,8 @@ def draw_cuda_hierarchy(grid: tuple[int, int] = (4, 2), threads: int = 128, figs
         ba.text(0.5, w + 0.42, f"warp {w}: threads {w * WARP_SIZE}..{w * WARP_SIZE + WARP_SIZE - 1}",
                 ha="center", va="center", fontsize=8)  # fmt: skip
     ba.add_patch(Rectangle((0, warps + 0.1), 1, 0.7, fc="#fff2cc", ec="black", hatch="//"))
-    ba.text(0.5, warps + 0.45, "shared memory of this block", ha="center", va="center", fontsize=8)
+    ba.text(0.5, warps + 0.45, "shared memory of this block", ha="center", va="center", fontsize=8,
+            bbox=dict(fc="white", ec="none", pad=1))  # fmt: skip
     ba.set(xlim=(-0.05, 1.05), ylim=(warps + 0.9, -0.1), xticks=[], yticks=[])
     ba.set_title(f"block (1,0): blockDim = {threads} threads\nthreadIdx.x = 0..{threads - 1}, on one SM")
     for lane in range(WARP_SIZE):  # one warp: its lanes
@@ -484,7 +485,8 @@ def draw_cuda_hierarchy(grid: tuple[int, int] = (4, 2), threads: int = 128, figs
         )
     wa.set(xlim=(-0.05, 8), ylim=(4.1, -0.1), xticks=[], yticks=[])
     wa.set_title(
-        "warp 1: 32 lanes, one instruction at a time\nlane = threadIdx.x % 32; each has its registers"
+        "warp 1: 32 lanes (t = threadIdx.x), one instruction at a time\n"
+        "lane = t % 32; each lane has its own registers"
     )
     for (src, dst, xy_a, xy_b) in ((ga, ba, (1.9, 0.0), (0, 0)), (ga, ba, (1.9, 0.9), (0, warps + 0.8)),
                                    (ba, wa, (1, 1), (0, 0)), (ba, wa, (1, 1.85), (0, 4))):  # fmt: skip
@@ -506,7 +508,7 @@ def butterfly_steps(values) -> list[list[float]]:
 
 
 def draw_butterfly(values, lane: int = 0, figsize=(14, 5.2)) -> Figure:
-    """Which lane adds which in each step of `v += __shfl_xor_sync(0xffffffff, v, mask)`; `lane` in red."""
+    """Which lane adds which in each step of `v += __shfl_xor_sync(0xffffffff, v, k)`; `lane` in red."""
     import matplotlib.pyplot as plt
 
     rows = butterfly_steps(values)
@@ -518,7 +520,7 @@ def draw_butterfly(values, lane: int = 0, figsize=(14, 5.2)) -> Figure:
             mine = a == lane
             ax.plot([b, a], [step + 0.18, step + 0.82], color="red" if mine else "#bbbbbb",
                     lw=1.8 if mine else 0.5, zorder=2 if mine else 1)  # fmt: skip
-        ax.text(WARP_SIZE - 0.2, step + 0.5, f"mask {mask:>2}: lane l adds lane l ^ {mask}", fontsize=8,
+        ax.text(WARP_SIZE - 0.2, step + 0.5, f"k = {mask:>2}: lane l adds lane l ^ {mask}", fontsize=8,
                 va="center")  # fmt: skip
     for step, row in enumerate(rows):
         for a, v in enumerate(row):
@@ -588,8 +590,8 @@ def draw_online_softmax(scores, chunks: int = 3, figsize=(14, 4.2)) -> Figure:
            label="l_w * exp(m_w - M)")  # fmt: skip
     merged = sum(l * math.exp(m - big) for m, l, _ in parts)
     bx.bar(["merged"], [merged], color=PALETTE[2], label="sum: the whole context's l")
-    for i, (m, _, _) in enumerate(parts):
-        bx.text(i, 0.02, f"m_w={m:.1f}", ha="center", va="bottom", fontsize=8)
+    for i, (m, l, _) in enumerate(parts):
+        bx.text(i, l, f"m_w = {m:.1f}", ha="center", va="bottom", fontsize=8)
     bx.set_title(f"the merge: {chunks} warps, tokens {size} each; M = max m_w = {big:.1f}")
     bx.legend(fontsize=8)
     fig.tight_layout()
