@@ -623,7 +623,7 @@ def draw_page_reads(block_size: int = 16, head_size: int = 128, figsize=(14, 7.5
     dims = head_size // WARP_SIZE
     panels = [
         ("1", f"kernel 1: thread t reads token t's whole row, one float per instruction.\n"
-              f"One warp instruction: float 0 of {min(block_size, WARP_SIZE)} different rows, "
+              f"One warp instruction: float 0 of 32 rows ({min(block_size, WARP_SIZE)} in this page), "
               f"{head_size * 4} bytes apart (not coalesced)"),
         ("2", f"kernel 2: a warp per token; lane l reads dims l, l+32, ... ({dims} loads of 4 bytes).\n"
               f"One warp instruction: 32 adjacent floats = 128 bytes (coalesced)"),
@@ -643,7 +643,10 @@ def draw_page_reads(block_size: int = 16, head_size: int = 128, figsize=(14, 7.5
         ax.set_title(title, fontsize=9, loc="left")
         ax.set_ylabel("slot (token)")
         ax.set_yticks(range(0, block_size, 4))
-    axes[-1].set_xlabel("head dimension (4 bytes each); colour: the thread or lane that reads it")
+    axes[-1].set_xlabel(
+        "head dimension (4 bytes each); colour: the thread (kernel 1) or lane that reads it, "
+        "dark = 0, yellow = the last; red: what one load instruction of a warp reads"
+    )
     fig.tight_layout()
     return fig
 
