@@ -43,7 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 OUT = Path(os.environ.get("OUT", ROOT / ".gpu_out")).resolve()
 TIER_BUDGET_S = 570  # each tier must finish inside one 10-minute command
-GPU_NOTEBOOKS = ("04", "05", "06")  # notebooks that use a GPU when there is one
+GPU_NOTEBOOKS = ("04", "05a", "05b", "06")  # notebooks that use a GPU when there is one
 STUB_MODULES = ("ipywidgets", "IPython", "jupyter")  # not on the GPU machine
 # test dependencies the GPU machine lacks; hypothesis >= 6.150 ships a compiled module, 6.149 is pure Python
 PACKED = ("hypothesis>=6.100,<6.150", "sortedcontainers")

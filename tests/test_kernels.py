@@ -310,3 +310,114 @@ def test_cupy_page_offsets_past_2_to_the_31():
     del case
     torch.cuda.empty_cache()
     assert_close(out, expected)
+
+
+# ---- the plain kernel (notebook 05)
+# kernels/paged_attention_1_plain.cu: one thread block of 128 threads per (sequence, query head), the
+# scores of the whole context in shared memory, a three-pass softmax. Launched directly with the same
+# call as cupy.RawKernel, through the emulator on the CPU and through CuPy on a GPU.
+
+PLAIN = "paged_attention_1_plain"
+PLAIN_THREADS = 128
+
+
+def plain_launch_args(case, out):
+    """(grid, block, args, shared_mem) for the plain kernel on one decode case."""
+    num_seqs, num_heads, head_size = case["query"].shape
+    _, block_size, num_kv_heads, _ = case["key_cache"].shape
+    max_blocks = case["block_tables"].shape[1]
+    ints = (block_size, num_heads, head_size, num_kv_heads, max_blocks)
+    args = (out, *(case[k] for k in DECODE_KEYS), *map(np.int32, ints), np.float32(case["scale"]))
+    shared_mem = (max_blocks * block_size + PLAIN_THREADS) * 4  # the header's formula
+    return (num_seqs, num_heads), (PLAIN_THREADS,), args, shared_mem
+
+
+def plain_emulator(checked=False):
+    from vllmini.emulator import RawKernel
+
+    return RawKernel(cuda_kernels.read_kernel_source(PLAIN), PLAIN, checked=checked)
+
+
+def launch_plain(case, kernel=None):
+    out = torch.full_like(case["query"], float("nan"))
+    grid, block, args, shared_mem = plain_launch_args(case, out)
+    (kernel or plain_emulator())(grid, block, args, shared_mem=shared_mem)
+    return out
+
+
+def test_plain_kernel_source_has_the_fixed_signature():
+    source = cuda_kernels.read_kernel_source(PLAIN)
+    signature = source[source.index('extern "C" __global__ void paged_attention_1_plain(') :]
+    signature = " ".join(line.split("//")[0] for line in signature[: signature.index("{")].splitlines())
+    params = [
+        " ".join(p.split()) for p in signature[signature.index("(") + 1 : signature.rindex(")")].split(",")
+    ]
+    assert params == [
+        "float* out", "const float* q", "const float* k_cache", "const float* v_cache",
+        "const int* block_tables", "const int* seq_lens", "const int block_size", "const int num_heads",
+        "const int head_size", "const int num_kv_heads", "const int max_num_blocks_per_seq",
+        "const float scale",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("params", DECODE_GRID + DECODE_GRID_SMALL, ids=case_id)
+def test_plain_emulator_matches_reference(params):
+    case = make_decode_case(41, *params)
+    assert_close(launch_plain(case), reference_decode(case))
+
+
+def test_plain_emulator_long_context_over_many_threads():
+    """1000 tokens in 1-token pages: every thread takes several tokens, 1000 page lookups a head."""
+    case = make_decode_case(42, 1, 2, 1, 64, 1, (1000,))
+    assert_close(launch_plain(case), reference_decode(case))
+
+
+def test_plain_emulator_checked_mode_and_thread_orders():
+    """No byte outside the buffers (AddressSanitizer), and the same bits under four thread orders (a
+    missing __syncthreads() in the reductions would change the answer with the order)."""
+    case = make_decode_case(43, 3, 4, 2, 80, 8, (1, 8, 300))
+    assert_close(launch_plain(case, plain_emulator(checked=True)), reference_decode(case))
+    out = torch.full_like(case["query"], float("nan"))
+    grid, block, args, shared_mem = plain_launch_args(case, out)
+    plain_emulator().check_schedules(grid, block, args, shared_mem=shared_mem)
+    assert_close(out, reference_decode(case))
+
+
+def test_plain_kernel_agrees_with_the_current_kernel():
+    case = make_decode_case(44, 4, 8, 2, 96, 16, (5, 16, 17, 40))
+    torch.testing.assert_close(launch_plain(case), launch(case, "emulator"), rtol=1e-5, atol=1e-5)
+
+
+def test_plain_kernel_refuses_another_block_size():
+    from vllmini.emulator import KernelError
+
+    case = make_decode_case(45, 1, 2, 2, 64, 8, (5,))
+    out = torch.empty_like(case["query"])
+    grid, _, args, shared_mem = plain_launch_args(case, out)
+    with pytest.raises(KernelError):
+        plain_emulator()(grid, (64,), args, shared_mem=shared_mem)
+
+
+def test_plain_test_can_fail():
+    """The plain kernel's answer for other inputs does not pass as the reference."""
+    case = make_decode_case(46, 2, 2, 2, 64, 8, (9, 12))
+    out = launch_plain(case)
+    case["key_cache"] = case["key_cache"].flip(-1)
+    with pytest.raises(AssertionError):
+        assert_close(out, reference_decode(case))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("params", DECODE_GRID, ids=case_id)
+def test_plain_cupy_matches_reference(params):
+    import cupy
+
+    case = make_decode_case(47, *params, device="cuda")
+    kernel = cupy.RawKernel(cuda_kernels.read_kernel_source(PLAIN), PLAIN, options=cuda_kernels.NVRTC_OPTIONS)
+    out = torch.full_like(case["query"], float("nan"))
+    grid, block, args, shared_mem = plain_launch_args(case, out)
+    torch.cuda.synchronize()
+    kernel(grid, block, tuple(cupy.asarray(a) if isinstance(a, torch.Tensor) else a for a in args),
+           shared_mem=shared_mem)  # fmt: skip
+    cupy.cuda.Device().synchronize()
+    assert_close(out, reference_decode(case))

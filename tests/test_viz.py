@@ -458,3 +458,51 @@ def test_plot_requests_that_fit_draws_each_curve_and_the_paper():
     assert len(fig.axes) == 2
     ys = [list(line.get_ydata()) for line in fig.axes[0].lines]
     assert [2, 4, 6] in ys and [4, 8, 12] in ys and ys.count([3.0]) == 2
+
+
+# ---- CUDA pictures (notebook 05)
+
+from vllmini import viz  # noqa: E402
+
+
+def test_butterfly_steps_leave_the_sum_in_every_lane():
+    import random
+
+    values = [random.Random(1).randint(-9, 9) for _ in range(32)]
+    rows = viz.butterfly_steps(values)
+    assert len(rows) == 6 and rows[0] == values
+    assert rows[-1] == [float(sum(values))] * 32
+    assert rows[1][0] == values[0] + values[16] and rows[1][16] == values[16] + values[0]
+
+
+def test_online_softmax_trace_matches_the_direct_sum():
+    import math
+
+    scores = [0.5, -1.0, 3.0, 2.0, 7.5, -4.0]
+    trace = viz.online_softmax_trace(scores)
+    assert [m for m, _, _ in trace] == [0.5, 0.5, 3.0, 3.0, 7.5, 7.5]
+    m, l, _ = trace[-1]
+    assert math.isclose(l * math.exp(m), sum(math.exp(s) for s in scores), rel_tol=1e-12)
+    assert trace[0][2] == 0.0 and trace[2][2] == math.exp(0.5 - 3.0)  # the rescale factors
+
+
+def test_page_read_owner_maps_threads_to_elements():
+    owner = viz.page_read_owner
+    assert owner("1", 4, 64)[3].tolist() == [3] * 64  # thread t reads token t's row
+    assert owner("2", 4, 64)[0, [0, 31, 32, 63]].tolist() == [0, 31, 0, 31]  # dims l, l + 32
+    assert owner("3", 4, 64)[0, [0, 1, 2, 63]].tolist() == [0, 0, 1, 31]  # dims 2l, 2l + 1
+    from vllmini.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="kernel must be"):
+        owner("5")
+
+
+def test_cuda_pictures_draw():
+    figures = [
+        viz.draw_cuda_hierarchy(),
+        viz.draw_butterfly(list(range(32))),
+        viz.draw_online_softmax([0.0, 2.0, 1.0, 5.0, -1.0, 3.0], chunks=2),
+        viz.draw_page_reads(),
+        viz.draw_token_mapping(seq_len=40),
+    ]
+    assert all(isinstance(f, Figure) and f.axes for f in figures)
