@@ -12,37 +12,25 @@ import numpy as np
 from vllmini.checks import as_int
 from vllmini.errors import InvalidArgumentError, InvalidTypeError
 
-# element kind + size of the C type -> accepted dtypes (torch or numpy names)
+# element code of the C type (kind + bytes: emu_runtime.h's Code) -> the dtypes a buffer of it may have
 _KIND_DTYPES = {
     "f4": {"float32"},
     "f8": {"float64"},
     "h2": {"float16"},
     "b2": {"bfloat16"},
-    "i1": {"int8"},
-    "i2": {"int16"},
-    "i4": {"int32"},
-    "i8": {"int64"},
-    "u1": {"uint8"},
-    "u2": {"uint16"},
-    "u4": {"uint32"},
-    "u8": {"uint64"},
     "c1": {"int8", "uint8", "bool"},
     "B1": {"bool", "uint8"},
+} | {
+    f"{kind}{size}": {f"{name}{8 * size}"}
+    for kind, name in (("i", "int"), ("u", "uint"))
+    for size in (1, 2, 4, 8)
 }
+# element code -> the ctypes type a scalar parameter of it is passed as
 _SCALAR_CTYPES = {
-    "f4": ctypes.c_float,
-    "f8": ctypes.c_double,
-    "i1": ctypes.c_int8,
-    "i2": ctypes.c_int16,
-    "i4": ctypes.c_int32,
-    "i8": ctypes.c_int64,
-    "u1": ctypes.c_uint8,
-    "u2": ctypes.c_uint16,
-    "u4": ctypes.c_uint32,
-    "u8": ctypes.c_uint64,
-    "c1": ctypes.c_int8,
-    "B1": ctypes.c_bool,
-}
+    code: np.ctypeslib.as_ctypes_type(min(dtypes))
+    for code, dtypes in _KIND_DTYPES.items()
+    if code[0] in "fiu"
+} | {"c1": ctypes.c_int8, "B1": ctypes.c_bool}
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,11 @@ from pathlib import Path
 from vllmini.errors import InvalidArgumentError, InvalidTypeError, KernelBuildError
 
 HERE = Path(__file__).resolve().parent
-HEADER_FILES = (
+HEADER_FILES = (  # everything a build includes: part of the cache key
     "cuda_emu.h",
     "emu_runtime.h",
+    "emu_entry.h",
+    "emu_main.h",
     "include/cuda_fp16.h",
     "include/cuda_bf16.h",
     "include/cuda_runtime.h",
@@ -34,33 +36,11 @@ DYNAMIC_SHARED_BYTES = 232448  # 227 KiB: the most dynamic shared memory an H100
 BUILD_VERSION = "2"  # bump when the generated code changes in a way the hashed files do not show
 
 # NVRTC/nvcc options that mean nothing on a CPU; everything else except -D/-U/-I is refused
-_IGNORED_OPTIONS = (
-    "-arch",
-    "--gpu-architecture",
-    "-std",
-    "--std",
-    "--use_fast_math",
-    "-use_fast_math",
-    "-lineinfo",
-    "--generate-line-info",
-    "-G",
-    "--device-debug",
-    "--fmad",
-    "-fmad",
-    "-rdc",
-    "--relocatable-device-code",
-    "-default-device",
-    "--extra-device-vectorization",
-    "-dopt",
-    "--restrict",
-    "-ftz",
-    "-prec-div",
-    "-prec-sqrt",
-    "--ftz",
-    "--prec-div",
-    "--prec-sqrt",
-    "-dlto",
-    "--dlink-time-opt",
+_IGNORED_OPTIONS = tuple(
+    "-arch --gpu-architecture -std --std --use_fast_math -use_fast_math -lineinfo "
+    "--generate-line-info -G --device-debug --fmad -fmad -rdc --relocatable-device-code "
+    "-default-device --extra-device-vectorization -dopt --restrict -ftz -prec-div -prec-sqrt --ftz "
+    "--prec-div --prec-sqrt -dlto --dlink-time-opt".split()
 )
 
 compile_count = 0  # how many times this process ran the C++ compiler (tests read it to check the cache)
@@ -126,11 +106,11 @@ def find_compiler() -> tuple[str, str]:
 def strip_comments(code: str) -> str:
     """The source with comments and string contents blanked out, same length and line breaks."""
 
-    def blank(m: re.Match) -> str:
-        t = m.group(0)
-        if t.startswith('"') or t.startswith("'"):
-            return t[0] + re.sub(r"[^\n]", " ", t[1:-1]) + t[-1]
-        return re.sub(r"[^\n]", " ", t)
+    def blank(match: re.Match) -> str:
+        text = match.group(0)
+        if text.startswith(('"', "'")):
+            return text[0] + re.sub(r"[^\n]", " ", text[1:-1]) + text[-1]
+        return re.sub(r"[^\n]", " ", text)
 
     return re.sub(r'//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'', blank, code, flags=re.S)
 
@@ -201,8 +181,9 @@ def _split_top_level(params: str) -> list[str]:
 def find_dynamic_shared(code: str) -> list[tuple[str, str, str]]:
     """(align, type, name) of every `extern __shared__ T name[];` declaration, one per name."""
     seen = {}
-    for m in _EXTERN_SHARED_RE.finditer(strip_comments(code)):
-        seen.setdefault(m.group(3), (m.group(1).strip(), " ".join(m.group(2).split()), m.group(3)))
+    for match in _EXTERN_SHARED_RE.finditer(strip_comments(code)):
+        align, ctype, name = match.groups()
+        seen.setdefault(name, (align.strip(), " ".join(ctype.split()), name))
     return list(seen.values())
 
 
@@ -263,7 +244,7 @@ def build(
     global compile_count
     cxx, version = find_compiler()
     flags = _option_flags(options)
-    headers = "".join((HERE / f).read_text() for f in (*HEADER_FILES, "emu_entry.h", "emu_main.h"))
+    headers = "".join((HERE / name).read_text() for name in HEADER_FILES)
     tu = translation_unit(code, filename, kernel_names, main=checked)
     key = _hash(
         BUILD_VERSION,
@@ -315,12 +296,12 @@ def build(
 
 def _compile_message(stderr: str, filename: str, checked: bool) -> str:
     """One headline naming the kernel line, then the compiler's own output (trimmed)."""
-    lines = [ln for ln in stderr.splitlines() if "tu.cpp" not in ln]
-    errors = [ln.strip() for ln in lines if "error" in ln.lower()]
-    in_kernel = [ln for ln in errors if ln.startswith(f"{filename}:")]
+    lines = [line for line in stderr.splitlines() if "tu.cpp" not in line]
+    errors = [line.strip() for line in lines if "error" in line.lower()]
+    in_kernel = [line for line in errors if line.startswith(f"{filename}:")]
     head = (in_kernel or errors or ["the C++ compiler failed"])[0]
     origin = next(
-        (ln.strip() for ln in lines if ln.startswith(f"{filename}:") and "required from" in ln), None
+        (line.strip() for line in lines if line.startswith(f"{filename}:") and "required from" in line), None
     )
     if not in_kernel and origin:
         head += f" [{origin.split(':   required')[0].split(': required')[0]}]"

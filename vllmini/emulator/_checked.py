@@ -78,18 +78,15 @@ def regions(args: list[Arg]) -> list[Region]:
 def _spec(kernel: RawKernel, args: list[Arg], groups: list[Region], launch: tuple, tmp: Path) -> Path:
     """Write the child's spec (see emu_main.h) and one input file per region; return the spec's path."""
     lines = [" ".join(map(str, (kernel.index, *launch, len(groups), len(args))))]
-    for r, region in enumerate(groups):
-        (tmp / f"in{r}").write_bytes(ctypes.string_at(region.start, region.end - region.start))
-        lines.append(
-            f"{region.end - region.start} {tmp / f'in{r}'} {tmp / f'out{r}' if region.writable else '-'}"
-        )
+    for number, region in enumerate(groups):
+        (tmp / f"in{number}").write_bytes(ctypes.string_at(region.start, region.end - region.start))
+        output = tmp / f"out{number}" if region.writable else "-"
+        lines.append(f"{region.end - region.start} {tmp / f'in{number}'} {output}")
     for i, arg in enumerate(args):
         if arg.buffer is not None:
-            r = next(r for r, region in enumerate(groups) if i in region.args)
-            lines.append(f"buffer {r} {arg.buffer.address - groups[r].start} {arg.buffer.nbytes}")
-        elif isinstance(
-            arg.value, ctypes.c_void_p
-        ):  # None for a pointer (checked mode refuses raw addresses)
+            number = next(n for n, region in enumerate(groups) if i in region.args)
+            lines.append(f"buffer {number} {arg.buffer.address - groups[number].start} {arg.buffer.nbytes}")
+        elif isinstance(arg.value, ctypes.c_void_p):  # None (checked mode refuses raw addresses)
             lines.append("null")
         else:
             lines.append(f"scalar {ctypes.sizeof(arg.value)} {bytes(arg.value).hex()}")
@@ -121,9 +118,9 @@ def run_checked(
         if proc.stdout:  # the kernel's printf output
             sys.stdout.write(proc.stdout)
         if proc.returncode == 0:
-            for r, region in enumerate(groups):
+            for number, region in enumerate(groups):
                 if region.writable:
-                    data = (Path(tmp) / f"out{r}").read_bytes()
+                    data = (Path(tmp) / f"out{number}").read_bytes()
                     ctypes.memmove(region.start, data, min(len(data), region.end - region.start))
             return
     if "emu-kernel-error:" in proc.stderr:

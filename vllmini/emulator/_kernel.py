@@ -102,13 +102,13 @@ class RawKernel:
         self.filename = filename or _source_name(code) or f"{name}.cu"
         self.info = kernels[name]
         self._uses_printf = "printf" in code  # then its output is captured and written to sys.stdout
-        names = sorted(k for k, info in kernels.items() if not info.is_template)
+        names = sorted(kernel for kernel, info in kernels.items() if not info.is_template)
         self.index = names.index(name)
         self.path = _build.build(code, self.filename, names, self.options, checked=self.checked)
         # the signature (C types as the compiler sees them) comes from the in-process library
         lib = _build.load(_build.build(code, self.filename, names, self.options, checked=False))
         self._lib = lib
-        self.param_codes = tuple(c for c in lib.emu_signature(self.index).decode().split(";") if c)
+        self.param_codes = tuple(filter(None, lib.emu_signature(self.index).decode().split(";")))
         if len(self.param_codes) != len(self.info.param_names):  # the source scan missed something
             self.info = _build.KernelInfo(
                 name, tuple(f"arg{i}" for i in range(len(self.param_codes))), tuple(self.param_codes)
