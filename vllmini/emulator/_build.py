@@ -76,6 +76,7 @@ def cache_dir() -> Path:
 
 
 def check_platform() -> None:
+    """Refuse Windows early, with what to do instead (fibers need POSIX)."""
     if sys.platform.startswith("win"):
         raise CompileError(
             "the CUDA emulator needs Linux or macOS (it runs CUDA threads as fibers); on Windows use WSL "

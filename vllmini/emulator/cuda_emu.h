@@ -14,9 +14,10 @@
 //   sync         __syncthreads __syncthreads_count/_and/_or __syncwarp __threadfence(_block/_system)
 //   warp         __shfl_sync __shfl_up_sync __shfl_down_sync __shfl_xor_sync (any 2/4/8-byte type, width)
 //                __ballot_sync __any_sync __all_sync __activemask
-//   atomics      atomicAdd atomicSub atomicExch atomicMin atomicMax atomicCAS atomicAnd atomicOr atomicXor
-//                atomicInc atomicDec (int, unsigned, long long, unsigned long long; atomicAdd also float,
-//                double and __half; atomicExch also float, as in CUDA)
+//   atomics      atomicAdd atomicExch atomicMin atomicMax atomicAnd atomicOr atomicXor on int, unsigned,
+//                long long, unsigned long long (atomicAdd also float, double, __half; atomicExch also float,
+//                as in CUDA: no double); atomicSub (int, unsigned); atomicInc atomicDec (unsigned);
+//                atomicCAS (any integer type)
 //   vector types char2/4 uchar2/4 short2/4 int2/3/4 uint2/3/4 float2/3/4 double2 longlong2 with make_*
 //   math         the C math library (expf, exp2f, logf, sqrtf, fmaxf, fabsf, fmaf, powf, tanhf, ...) plus
 //                __expf __exp10f __logf __log2f __powf __sinf __cosf __tanf __fdividef rsqrtf __frcp_rn

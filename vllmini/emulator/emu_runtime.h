@@ -531,9 +531,13 @@ inline void on_stop_signal(int) {
     if (in_grid && stop_id == L.id) stop_now();  // else run_grid sees stop_id before its next block
 }
 
+struct SavedHandlers { stack_t alt_stack; struct sigaction segv, bus, stop; };
+inline SavedHandlers saved;  // the handlers a launch replaced, put back when it ends
+
 inline void on_fault(int sig, siginfo_t* info, void*) {
-    if (!in_grid || !pthread_equal(pthread_self(), launch_thread)) {  // not ours: let the default action run
-        signal(sig, SIG_DFL);
+    if (!in_grid || !pthread_equal(pthread_self(), launch_thread)) {
+        // not the kernel's fault (another thread's): the old handler takes it when the instruction faults again
+        sigaction(sig, sig == SIGBUS ? &saved.bus : &saved.segv, nullptr);
         return;
     }
     char where[160] = "the launcher";
@@ -556,11 +560,8 @@ inline void on_fault(int sig, siginfo_t* info, void*) {
     siglongjmp(abandon, 1);
 }
 
-struct SavedHandlers { stack_t alt_stack; struct sigaction segv, bus, stop; };
-
 // Install the fault handlers (not under AddressSanitizer, which has its own) and the stop handler.
-inline SavedHandlers install_handlers() {
-    SavedHandlers saved{};
+inline void install_handlers() {
     struct sigaction action{};
     sigemptyset(&action.sa_mask);
     sigaddset(&action.sa_mask, SIGSEGV);  // the handlers never interrupt each other
@@ -580,19 +581,15 @@ inline SavedHandlers install_handlers() {
     sigaction(SIGSEGV, &action, &saved.segv);
     sigaction(SIGBUS, &action, &saved.bus);
 #endif
-    return saved;
 }
 
-// Put the old handlers back; a stop signal still pending for this thread is taken first, by sigwait.
-inline void restore_handlers(const SavedHandlers& saved) {
-    sigset_t stop, old, pending;
-    sigemptyset(&stop);
-    sigaddset(&stop, EMU_STOP_SIGNAL);
-    pthread_sigmask(SIG_BLOCK, &stop, &old);
-    int taken;
-    while (sigpending(&pending) == 0 && sigismember(&pending, EMU_STOP_SIGNAL)) sigwait(&stop, &taken);
+// Put the old handlers back. SIG_IGN first discards a stop signal still pending (POSIX says so), so a late
+// one never reaches the old handler.
+inline void restore_handlers() {
+    struct sigaction ignore{};
+    ignore.sa_handler = SIG_IGN;
+    sigaction(EMU_STOP_SIGNAL, &ignore, nullptr);
     sigaction(EMU_STOP_SIGNAL, &saved.stop, nullptr);
-    pthread_sigmask(SIG_SETMASK, &old, nullptr);
 #ifndef EMU_ASAN
     sigaction(SIGSEGV, &saved.segv, nullptr);
     sigaction(SIGBUS, &saved.bus, nullptr);
@@ -662,7 +659,7 @@ inline int launch(void (*entry)(void**), void** args, const unsigned int grid[3]
                   int schedule, unsigned long long seed, unsigned long long id) {
     if (!prepare(entry, args, grid, block, schedule, seed, id)) return KERNEL_ERROR;
     TlsRange shared = shared_memory_range();
-    SavedHandlers saved = install_handlers();
+    install_handlers();
     set_running(id);
     if (sigsetjmp(abandon, 1) == 0) {
         in_grid = 1;
@@ -670,7 +667,7 @@ inline int launch(void (*entry)(void**), void** args, const unsigned int grid[3]
     }
     in_grid = 0;
     set_running(0);  // from here on, request_stop sends no signal
-    restore_handlers(saved);
+    restore_handlers();
     cur = nullptr;
     return L.result;
 }
