@@ -16,6 +16,7 @@ import torch
 
 import vllmini
 from vllmini.emulator import CompileError, KernelError, OutOfBoundsError, RawKernel, RawModule, _build
+from vllmini.errors import InvalidArgumentError, InvalidTypeError, KernelBuildError, KernelLaunchError
 
 TESTS = Path(__file__).resolve().parent / "emulator_kernels"
 BUGS = Path(vllmini.__file__).resolve().parent.parent / "kernels" / "bugs"
@@ -544,3 +545,22 @@ def test_templated_kernel_does_not_break_the_others():
     assert out.tolist() == [0.0, 2.0, 4.0, 6.0]
     with pytest.raises(ValueError, match="`scale` is a template"):
         RawKernel(code, "scale")
+
+
+def test_errors_are_vllmini_errors(basics, errors):
+    assert issubclass(CompileError, KernelBuildError) and issubclass(KernelError, KernelLaunchError)
+    assert issubclass(OutOfBoundsError, KernelError)
+    add = basics.get_function("vector_add")
+    x, y, out = torch.randn(8), torch.randn(8), torch.zeros(8)
+    with pytest.raises(InvalidArgumentError, match="schedule must be"):
+        add(1, 8, (x, y, out, 8), schedule="random")
+    with pytest.raises(InvalidArgumentError, match=r"grid\[1\] must be <= 65535, got 70000"):
+        add((1, 70000), 8, (x, y, out, 8))
+    with pytest.raises(InvalidTypeError, match=r"block\[0\] must be an int, got bool"):
+        add(1, True, (x, y, out, 8))
+    with pytest.raises(InvalidArgumentError, match=r"argument 3 `n` \(const int\) must be <= 2147483647"):
+        add(1, 8, (x, y, out, 2**31))
+    with pytest.raises(InvalidTypeError, match="`x`.*float64"):
+        add(1, 8, (x.double(), y, out, 8))
+    with pytest.raises(KernelLaunchError, match="deadlock"):
+        errors.get_function("early_return_barrier")(1, 64, (torch.zeros(64), 40))
