@@ -5,14 +5,15 @@
     kernel((num_blocks,), (256,), (x, y, out, np.int32(n)))   # CPU torch tensors / numpy arrays
 
 How: the source is compiled as C++17 after `cuda_emu.h`, a header that defines the CUDA built-ins, and
-before `emu_runtime.h`, a small scheduler. Blocks run one after another on one OS thread; inside a block
-every CUDA thread is a fiber with its own stack. Threads run in a fixed order (`schedule=
-"in_order"`, `"reverse"`, or an int seed for a seeded shuffle), each until it reaches `__syncthreads()`, a
-warp collective (`__shfl_*_sync`, `__ballot_sync`, `__syncwarp`, ...) or its end. Nothing else switches
-threads, so a race gives the same wrong answer on every run. Shared memory (`__shared__`, and dynamic
-`extern __shared__ T name[]`, up to 227 KiB) is filled with 0xFF bytes (NaN as float, -1 as int) before
-every block, so reading it before it is written shows up. Compiled libraries are cached under
-$VLLMINI_CACHE_DIR/emulator, else $XDG_CACHE_HOME/vllmini/emulator, else ~/.cache/vllmini/emulator.
+before `emu_runtime.h`, a small scheduler. Blocks run one after another on one worker OS thread (the
+caller waits; see Stopping); inside a block every CUDA thread is a fiber with its own stack. Threads run
+in a fixed order (`schedule="in_order"`, `"reverse"`, or an int seed for a seeded shuffle), each until it
+reaches `__syncthreads()`, a warp collective (`__shfl_*_sync`, `__ballot_sync`, `__syncwarp`, ...) or its
+end. Nothing else switches threads, so a race gives the same wrong answer on every run. Shared memory
+(`__shared__`, and dynamic `extern __shared__ T name[]`, up to 227 KiB) is filled with 0xFF bytes (NaN as
+float, -1 as int) before every block, so reading it before it is written shows up. Compiled libraries are
+cached under $VLLMINI_CACHE_DIR/emulator, else $XDG_CACHE_HOME/vllmini/emulator, else
+~/.cache/vllmini/emulator.
 
 What it catches, on every run (KernelError, a KernelLaunchError): a deadlock (threads at `__syncthreads()`
 that others never reach, or that returned early), threads at different `__syncthreads()` lines, lanes of
@@ -76,7 +77,8 @@ It catches, on every run, and names the access (read/write), the buffer argument
 It cannot catch:
   * an in-bounds but wrong index: reading the wrong page, another sequence's row of block_tables, a
     slot past seq_len inside the last page (vllmini poisons those with NaN so they show in results);
-  * an access so far past a buffer that it lands inside another buffer's valid memory;
+  * an access so far past a buffer that it lands inside another buffer's valid memory, or one from a
+    buffer into another that overlaps it (aliased buffers share one allocation);
   * out-of-bounds accesses to shared memory (it is thread-local storage, without guard space);
   * reads of uninitialised memory (shared memory is poisoned with NaN instead, which is often visible);
   * races that need truly parallel threads (checked mode uses the same deterministic scheduler).

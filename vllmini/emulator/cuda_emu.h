@@ -28,7 +28,8 @@
 //   half types   __half __half2 __nv_bfloat16 with __float2half(_rn) __half2float __float2bfloat16(_rn)
 //                __bfloat162float, arithmetic through float (cuda_fp16.h / cuda_bf16.h are accepted)
 //   other        assert (raises a Python error naming the kernel line), __trap, printf, clock, clock64
-//                (a counter: it advances by one per call)
+//                (a counter: it advances by one per call). printf is a macro (so write printf, not
+//                std::printf) for a wrapper that a stop never interrupts while stdio holds its lock.
 // Not supported: cooperative groups, tensor cores (mma/wmma), inline PTX, textures/surfaces, cluster and
 // grid-wide sync, dynamic parallelism, __constant__ set from the host, device-side malloc.
 #pragma once
