@@ -23,14 +23,10 @@ from pathlib import Path
 from vllmini.errors import InvalidArgumentError, InvalidTypeError, KernelBuildError
 
 HERE = Path(__file__).resolve().parent
-HEADER_FILES = (  # everything a build includes: part of the cache key
-    "cuda_emu.h",
-    "emu_runtime.h",
-    "emu_entry.h",
-    "emu_main.h",
-    "include/cuda_fp16.h",
-    "include/cuda_bf16.h",
-    "include/cuda_runtime.h",
+# everything a build includes: part of the cache key
+HEADER_FILES = tuple(
+    "cuda_emu.h emu_runtime.h emu_entry.h emu_main.h include/cuda_fp16.h include/cuda_bf16.h "
+    "include/cuda_runtime.h".split()
 )
 DYNAMIC_SHARED_BYTES = 232448  # 227 KiB: the most dynamic shared memory an H100/H200 block may opt into
 BUILD_VERSION = "2"  # bump when the generated code changes in a way the hashed files do not show
@@ -247,16 +243,7 @@ def build(
     flags = _option_flags(options)
     headers = "".join((HERE / name).read_text() for name in HEADER_FILES)
     tu = translation_unit(code, filename, kernel_names, main=checked)
-    key = _hash(
-        BUILD_VERSION,
-        tu,
-        headers,
-        " ".join(flags),
-        cxx,
-        version,
-        sys.platform,
-        "checked" if checked else "so",
-    )
+    key = _hash(BUILD_VERSION, tu, headers, " ".join(flags), cxx, version, sys.platform, str(checked))
     out_dir = cache_dir()
     target = out_dir / (f"{Path(filename).stem}-{key}" + (".asan" if checked else ".so"))
     if target.exists():
@@ -281,11 +268,8 @@ def build(
             "-fno-strict-aliasing",
             f"-I{HERE}",
             f"-I{HERE / 'include'}",
-            *flags,
-            str(src),
-            "-o",
-            str(Path(tmp) / "out"),
         ]
+        cmd += [*flags, str(src), "-o", str(Path(tmp) / "out")]
         with _lock:
             compile_count += 1
         proc = subprocess.run(cmd, capture_output=True, text=True)

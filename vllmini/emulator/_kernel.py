@@ -95,10 +95,8 @@ class RawKernel:
                 f'kernels by name only: add an `extern "C"` kernel that calls it with the types you need'
             )
         self.code, self.name, self.checked, self.options = code, name, bool(checked), tuple(options)
-        _schedule_code(schedule)
-        self.schedule = schedule
-        self.time_limit = time_limit
-        time_limit_seconds(time_limit)
+        _schedule_code(schedule), time_limit_seconds(time_limit)  # checked now, used at every launch
+        self.schedule, self.time_limit = schedule, time_limit
         self.filename = filename or _source_name(code) or f"{name}.cu"
         self.info = kernels[name]
         self._uses_printf = "printf" in code  # then its output is captured and written to sys.stdout
@@ -106,9 +104,8 @@ class RawKernel:
         self.index = names.index(name)
         self.path = _build.build(code, self.filename, names, self.options, checked=self.checked)
         # the signature (C types as the compiler sees them) comes from the in-process library
-        lib = _build.load(_build.build(code, self.filename, names, self.options, checked=False))
-        self._lib = lib
-        self.param_codes = tuple(filter(None, lib.emu_signature(self.index).decode().split(";")))
+        self._lib = _build.load(_build.build(code, self.filename, names, self.options, checked=False))
+        self.param_codes = tuple(filter(None, self._lib.emu_signature(self.index).decode().split(";")))
         if len(self.param_codes) != len(self.info.param_names):  # the source scan missed something
             self.info = _build.KernelInfo(
                 name, tuple(f"arg{i}" for i in range(len(self.param_codes))), tuple(self.param_codes)
