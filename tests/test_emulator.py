@@ -1,5 +1,13 @@
 """Tests for vllmini.emulator: CUDA source on the CPU, planted bugs caught every time, checked mode."""
 
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -8,6 +16,7 @@ import torch
 
 import vllmini
 from vllmini.emulator import CompileError, KernelError, OutOfBoundsError, RawKernel, RawModule, _build
+from vllmini.errors import InvalidArgumentError, InvalidTypeError, KernelBuildError, KernelLaunchError
 
 TESTS = Path(__file__).resolve().parent / "emulator_kernels"
 BUGS = Path(vllmini.__file__).resolve().parent.parent / "kernels" / "bugs"
@@ -357,3 +366,201 @@ def test_compiled_library_is_cached(tmp_path, monkeypatch):
     out = torch.zeros(4)
     kernel(1, 4, (out, np.float32(2.5)))
     assert (out == 2.5).all()
+
+
+# ---------------------------------------------------------------- stopping: Ctrl-C and the time limit
+# Each test runs in its own Python process with a timeout, so a broken stop fails the test instead of
+# hanging CI. The parent builds the kernels first; the child finds them in the cache.
+HANGS = TESTS / "hangs.cu"
+CHILD_TIMEOUT_S = 120
+
+
+def run_child(script: str, **env: str) -> dict:
+    """Run `script` in a fresh Python; return the JSON object its last output line holds."""
+    header = f"import json, os, signal, sys, threading, time\nimport numpy as np\nHANGS = {str(HANGS)!r}\n"
+    proc = subprocess.run(
+        [sys.executable, "-c", header + textwrap.dedent(script)],
+        capture_output=True,
+        text=True,
+        timeout=CHILD_TIMEOUT_S,
+        env=dict(os.environ, **env),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def hangs() -> RawModule:
+    module = RawModule(source(HANGS), filename="hangs.cu")
+    for name in ("spin_wait", "count_blocks", "add_one"):
+        module.get_function(name)  # built here, so the children find it in the cache
+    return module
+
+
+def test_ctrl_c_stops_a_thread_that_spins_forever(hangs):
+    result = run_child("""
+        from vllmini.emulator import RawModule
+        module = RawModule(open(HANGS).read(), filename="hangs.cu")
+        spin, flag = module.get_function("spin_wait"), np.zeros(1, np.int32)
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+        start = time.monotonic()
+        try:
+            spin(1, 2, (flag,))
+            outcome = "finished"
+        except KeyboardInterrupt:
+            outcome = "KeyboardInterrupt"
+        stopped_after = time.monotonic() - start - 0.5
+        flag[:] = 0
+        spin(1, 2, (flag,), schedule="reverse")  # the same kernel again, in an order that finishes
+        print(json.dumps({"outcome": outcome, "stopped_after": stopped_after, "flag": int(flag[0])}))
+    """)
+    assert result["outcome"] == "KeyboardInterrupt" and result["flag"] == 1
+    assert 0 <= result["stopped_after"] < 1.0
+
+
+def test_ctrl_c_from_outside_stops_a_huge_grid(hangs):
+    script = """
+        from vllmini.emulator import RawModule
+        module = RawModule(open(HANGS).read(), filename="hangs.cu")
+        count = np.zeros(1, np.uint64)
+        print("launching", flush=True)
+        try:
+            module.get_function("count_blocks")(2**31 - 1, 1, (count,))
+        except KeyboardInterrupt:
+            module.get_function("add_one")(1, 4, (np.zeros(4, np.float32), np.zeros(4, np.float32)))
+            print(json.dumps({"blocks_run": int(count[0])}), flush=True)
+    """
+    header = f"import json\nimport numpy as np\nHANGS = {str(HANGS)!r}\n"
+    child = subprocess.Popen(
+        [sys.executable, "-c", header + textwrap.dedent(script)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout.readline().strip() == "launching"
+        time.sleep(0.5)
+        sent = time.monotonic()
+        child.send_signal(signal.SIGINT)
+        child.wait(timeout=CHILD_TIMEOUT_S)
+        exited_after = time.monotonic() - sent
+    finally:
+        child.kill()
+    result = json.loads(child.stdout.read().strip().splitlines()[-1])
+    assert child.returncode == 0 and 0 < result["blocks_run"] < 2**31 - 1
+    assert exited_after < 2.0  # the stop itself takes microseconds; the rest is Python shutting down
+
+
+def test_time_limit_names_kernel_block_and_thread(hangs):
+    result = run_child("""
+        from vllmini.emulator import KernelError, RawModule
+        from vllmini.errors import KernelLaunchError
+        module = RawModule(open(HANGS).read(), filename="hangs.cu", time_limit=0.5)
+        spin, flag = module.get_function("spin_wait"), np.zeros(1, np.int32)
+        start = time.monotonic()
+        try:
+            spin(1, 2, (flag,))
+            message = "finished"
+        except KernelLaunchError as error:
+            message = f"{type(error).__name__}: {error}"
+        took = time.monotonic() - start
+        count = np.zeros(1, np.uint64)
+        try:
+            module.get_function("count_blocks")((65535, 65535), 1, (count,), time_limit=0.3)
+            grid_message = "finished"
+        except KernelError as error:
+            grid_message = str(error)
+        spin(1, 2, (flag,), schedule="reverse")
+        result = {"message": message, "took": took, "grid_message": grid_message, "flag": int(flag[0])}
+        print(json.dumps(result))
+    """)
+    message = result["message"]
+    assert message.startswith("KernelError: spin_wait: time limit reached in block (0,0,0)"), message
+    assert "thread (0,0,0) of block (0,0,0) [warp 0 lane 0] was running" in message
+    assert "threads of the block not finished: 2 of 2" in message and "time_limit=0.5 s" in message
+    assert 0.5 <= result["took"] < 1.5 and result["flag"] == 1
+    assert re.match(
+        r"count_blocks: time limit reached in block \(\d+,\d+,0\) of grid \(65535,65535,1\)",
+        result["grid_message"],
+    )
+
+
+def test_checked_mode_time_limit_and_ctrl_c(hangs):
+    RawModule(source(HANGS), filename="hangs.cu", checked=True).get_function(
+        "spin_wait"
+    )  # build the ASan one
+    result = run_child(
+        """
+        from vllmini.emulator import KernelError, RawModule
+        spin = RawModule(open(HANGS).read(), filename="hangs.cu", checked=True).get_function("spin_wait")
+        flag = np.zeros(1, np.int32)
+        try:
+            spin(1, 2, (flag,))  # the time limit comes from $VLLMINI_EMULATOR_TIME_LIMIT
+            message = "finished"
+        except KernelError as error:
+            message = str(error)
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+        start = time.monotonic()
+        try:
+            spin(1, 2, (flag,), time_limit=float("inf"))
+            outcome = "finished"
+        except KeyboardInterrupt:
+            outcome = "KeyboardInterrupt"
+        stopped_after = time.monotonic() - start - 0.5
+        spin(1, 2, (flag,), schedule="reverse")
+        print(json.dumps({"message": message, "outcome": outcome, "stopped_after": stopped_after,
+                          "flag": int(flag[0])}))
+        """,
+        VLLMINI_EMULATOR_TIME_LIMIT="0.5",
+    )
+    assert "spin_wait: time limit reached in block (0,0,0)" in result["message"]
+    assert "thread (0,0,0) of block (0,0,0) [warp 0 lane 0] was running" in result["message"]
+    assert result["outcome"] == "KeyboardInterrupt" and 0 <= result["stopped_after"] < 1.0
+    assert result["flag"] == 1
+
+
+def test_time_limit_is_checked():
+    with pytest.raises(ValueError, match="time_limit must be >= 0.001, got 0"):
+        RawKernel(FILL, "fill", time_limit=0)
+    with pytest.raises(TypeError, match="time_limit must be a number"):
+        RawKernel(FILL, "fill")(1, 4, (torch.zeros(4), np.float32(1)), time_limit="5")
+
+
+# ---------------------------------------------------------------- corners
+@pytest.mark.parametrize("checked", [False, True])
+def test_one_tensor_as_input_and_output(checked):
+    add_one = RawModule(source(HANGS), filename="hangs.cu", checked=checked).get_function("add_one")
+    same = torch.zeros(4)
+    add_one(1, 4, (same, same))  # const input and output are one buffer: the write must stay
+    assert same.tolist() == [1.0, 1.0, 1.0, 1.0]
+    storage = torch.arange(8, dtype=torch.float32)
+    add_one(1, 4, (storage[0:4], storage[2:6]))  # overlapping views: threads in order see earlier writes
+    expected = torch.arange(8, dtype=torch.float64)
+    for i in range(4):
+        expected[2 + i] = expected[i] + 1
+    assert torch.equal(storage.double(), expected)
+
+
+def test_templated_kernel_does_not_break_the_others():
+    code = source(HANGS)
+    out = torch.zeros(4)
+    RawKernel(code, "plain_after_template")(1, 4, (out,))
+    assert out.tolist() == [0.0, 2.0, 4.0, 6.0]
+    with pytest.raises(ValueError, match="`scale` is a template"):
+        RawKernel(code, "scale")
+
+
+def test_errors_are_vllmini_errors(basics, errors):
+    assert issubclass(CompileError, KernelBuildError) and issubclass(KernelError, KernelLaunchError)
+    assert issubclass(OutOfBoundsError, KernelError)
+    add = basics.get_function("vector_add")
+    x, y, out = torch.randn(8), torch.randn(8), torch.zeros(8)
+    with pytest.raises(InvalidArgumentError, match="schedule must be"):
+        add(1, 8, (x, y, out, 8), schedule="random")
+    with pytest.raises(InvalidArgumentError, match=r"grid\[1\] must be <= 65535, got 70000"):
+        add((1, 70000), 8, (x, y, out, 8))
+    with pytest.raises(InvalidTypeError, match=r"block\[0\] must be an int, got bool"):
+        add(1, True, (x, y, out, 8))
+    with pytest.raises(InvalidArgumentError, match=r"argument 3 `n` \(const int\) must be <= 2147483647"):
+        add(1, 8, (x, y, out, 2**31))
+    with pytest.raises(InvalidTypeError, match="`x`.*float64"):
+        add(1, 8, (x.double(), y, out, 8))
+    with pytest.raises(KernelLaunchError, match="deadlock"):
+        errors.get_function("early_return_barrier")(1, 64, (torch.zeros(64), 40))

@@ -20,47 +20,23 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllmini.errors import VllminiError
+from vllmini.errors import InvalidArgumentError, InvalidTypeError, KernelBuildError
 
 HERE = Path(__file__).resolve().parent
-HEADER_FILES = (
-    "cuda_emu.h",
-    "emu_runtime.h",
-    "include/cuda_fp16.h",
-    "include/cuda_bf16.h",
-    "include/cuda_runtime.h",
+# everything a build includes: part of the cache key
+HEADER_FILES = tuple(
+    "cuda_emu.h emu_runtime.h emu_entry.h emu_main.h include/cuda_fp16.h include/cuda_bf16.h "
+    "include/cuda_runtime.h".split()
 )
 DYNAMIC_SHARED_BYTES = 232448  # 227 KiB: the most dynamic shared memory an H100/H200 block may opt into
-BUILD_VERSION = "1"  # bump when the generated code changes in a way the hashed files do not show
+BUILD_VERSION = "2"  # bump when the generated code changes in a way the hashed files do not show
 
 # NVRTC/nvcc options that mean nothing on a CPU; everything else except -D/-U/-I is refused
-_IGNORED_OPTIONS = (
-    "-arch",
-    "--gpu-architecture",
-    "-std",
-    "--std",
-    "--use_fast_math",
-    "-use_fast_math",
-    "-lineinfo",
-    "--generate-line-info",
-    "-G",
-    "--device-debug",
-    "--fmad",
-    "-fmad",
-    "-rdc",
-    "--relocatable-device-code",
-    "-default-device",
-    "--extra-device-vectorization",
-    "-dopt",
-    "--restrict",
-    "-ftz",
-    "-prec-div",
-    "-prec-sqrt",
-    "--ftz",
-    "--prec-div",
-    "--prec-sqrt",
-    "-dlto",
-    "--dlink-time-opt",
+_IGNORED_OPTIONS = tuple(
+    "-arch --gpu-architecture -std --std --use_fast_math -use_fast_math -lineinfo "
+    "--generate-line-info -G --device-debug --fmad -fmad -rdc --relocatable-device-code "
+    "-default-device --extra-device-vectorization -dopt --restrict -ftz -prec-div -prec-sqrt --ftz "
+    "--prec-div --prec-sqrt -dlto --dlink-time-opt".split()
 )
 
 compile_count = 0  # how many times this process ran the C++ compiler (tests read it to check the cache)
@@ -68,17 +44,22 @@ _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL] = {}
 
 
-class CompileError(VllminiError):
+class CompileError(KernelBuildError):
     """The C++ compiler rejected the kernel (message and kernel line included), or there is no compiler."""
 
 
 @dataclass(frozen=True)
 class KernelInfo:
-    """What the source says about one `__global__` function: its name and parameter names and C types."""
+    """What the source says about one `__global__` function: its name, parameter names and C types."""
 
     name: str
     param_names: tuple[str, ...]
     param_types: tuple[str, ...]  # the C type text, e.g. "const float* __restrict__"
+    is_template: bool = False  # `template <...> __global__ ...`: compiled, but not launchable by name
+
+    def describe(self, i: int) -> str:
+        """How messages name parameter i: its position, name and C type."""
+        return f"argument {i} `{self.param_names[i]}` ({self.param_types[i]})"
 
 
 def cache_dir() -> Path:
@@ -91,6 +72,7 @@ def cache_dir() -> Path:
 
 
 def check_platform() -> None:
+    """Refuse Windows early, with what to do instead (fibers need POSIX)."""
     if sys.platform.startswith("win"):
         raise CompileError(
             "the CUDA emulator needs Linux or macOS (it runs CUDA threads as fibers); on Windows use WSL "
@@ -121,11 +103,11 @@ def find_compiler() -> tuple[str, str]:
 def strip_comments(code: str) -> str:
     """The source with comments and string contents blanked out, same length and line breaks."""
 
-    def blank(m: re.Match) -> str:
-        t = m.group(0)
-        if t.startswith('"') or t.startswith("'"):
-            return t[0] + re.sub(r"[^\n]", " ", t[1:-1]) + t[-1]
-        return re.sub(r"[^\n]", " ", t)
+    def blank(match: re.Match) -> str:
+        text = match.group(0)
+        if text.startswith(('"', "'")):
+            return text[0] + re.sub(r"[^\n]", " ", text[1:-1]) + text[-1]
+        return re.sub(r"[^\n]", " ", text)
 
     return re.sub(r'//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'', blank, code, flags=re.S)
 
@@ -144,32 +126,49 @@ def find_kernels(code: str) -> dict[str, KernelInfo]:
     """Every `__global__ void name(...)` in the source, with its parameter names and types."""
     text = strip_comments(code)
     kernels = {}
-    for m in _KERNEL_RE.finditer(text):
-        depth, i = 1, m.end()
-        while i < len(text) and depth:
-            depth += {"(": 1, ")": -1}.get(text[i], 0)
-            i += 1
-        params = text[m.end() : i - 1]
+    for match in _KERNEL_RE.finditer(text):
+        params = text[match.end() : _closing(text, match.end() - 1, "(", ")")]
         names, types = [], []
         if params.strip() not in ("", "void"):
-            for k, part in enumerate(_split_top_level(params)):
+            for position, part in enumerate(_split_top_level(params)):
                 part = " ".join(part.split("=")[0].split())
-                pm = re.match(r"(.*?)([A-Za-z_]\w*)\s*(\[[^\]]*\])?\s*$", part)
-                if pm and pm.group(1).strip():
-                    types.append(pm.group(1).strip())
-                    names.append(pm.group(2))
+                parsed = re.match(r"(.*?)([A-Za-z_]\w*)\s*(\[[^\]]*\])?\s*$", part)
+                if parsed and parsed.group(1).strip():
+                    types.append(parsed.group(1).strip())
+                    names.append(parsed.group(2))
                 else:
                     types.append(part)
-                    names.append(f"arg{k}")
-        kernels[m.group(1)] = KernelInfo(m.group(1), tuple(names), tuple(types))
+                    names.append(f"arg{position}")
+        name = match.group(1)
+        kernels[name] = KernelInfo(name, tuple(names), tuple(types), _after_template(text, match.start()))
     return kernels
+
+
+def _closing(text: str, start: int, open_: str, close: str, step: int = 1) -> int:
+    """Index of the bracket that closes the one at `start` (step=-1: opens the one at `start`), or -1."""
+    depth, i = 0, start
+    while 0 <= i < len(text):
+        depth += (text[i] == open_) - (text[i] == close)
+        if depth == 0:
+            return i
+        i += step
+    return -1
+
+
+def _after_template(text: str, start: int) -> bool:
+    """True when the declaration at `start` follows a `template <...>` clause."""
+    before = text[:start].rstrip()
+    if not before.endswith(">"):
+        return False
+    opening = _closing(before, len(before) - 1, ">", "<", step=-1)
+    return opening > 0 and re.search(r"\btemplate\s*$", before[:opening]) is not None
 
 
 def _split_top_level(params: str) -> list[str]:
     parts, depth, start = [], 0, 0
-    for i, ch in enumerate(params):
-        depth += {"(": 1, "<": 1, ")": -1, ">": -1}.get(ch, 0)
-        if ch == "," and depth == 0:
+    for i, char in enumerate(params):
+        depth += {"(": 1, "<": 1, ")": -1, ">": -1}.get(char, 0)
+        if char == "," and depth == 0:
             parts.append(params[start:i])
             start = i + 1
     parts.append(params[start:])
@@ -179,60 +178,56 @@ def _split_top_level(params: str) -> list[str]:
 def find_dynamic_shared(code: str) -> list[tuple[str, str, str]]:
     """(align, type, name) of every `extern __shared__ T name[];` declaration, one per name."""
     seen = {}
-    for m in _EXTERN_SHARED_RE.finditer(strip_comments(code)):
-        seen.setdefault(m.group(3), (m.group(1).strip(), " ".join(m.group(2).split()), m.group(3)))
+    for match in _EXTERN_SHARED_RE.finditer(strip_comments(code)):
+        align, ctype, name = match.groups()
+        seen.setdefault(name, (align.strip(), " ".join(ctype.split()), name))
     return list(seen.values())
 
 
 # ---------------------------------------------------------------- the translation unit
 def translation_unit(code: str, filename: str, kernel_names: list[str], *, main: bool) -> str:
     """C++ text: header, the untouched source, dynamic shared memory, the launcher table, the runtime."""
-    dyn = []
-    for align, ctype, name in find_dynamic_shared(code):
-        # thread_local: one copy per OS thread = per block, like every other __shared__ object here
-        dyn.append(
-            f"{align or '__align__(16)'} thread_local {ctype} {name}"
-            f"[{DYNAMIC_SHARED_BYTES} / sizeof({ctype})];"
-        )
-    entries = "\n".join(
-        f"static void __emu_entry_{k}(void** a) {{ __emu::call(&{k}, a); }}\n"
-        f"static std::string __emu_sig_{k}() {{ return __emu::signature(&{k}); }}"
-        for k in kernel_names
+    # thread_local: one copy per OS thread = per block, like every other __shared__ object here
+    dynamic_shared = "".join(
+        f"{align or '__align__(16)'} thread_local {ctype} {name}[{DYNAMIC_SHARED_BYTES} / sizeof({ctype})];\n"
+        for align, ctype, name in find_dynamic_shared(code)
     )
-    table = ",\n    ".join(f'{{"{k}", __emu_entry_{k}, __emu_sig_{k}}}' for k in kernel_names)
+    entries = "".join(
+        f"static void __emu_entry_{name}(void** a) {{ __emu::call(&{name}, a); }}\n"
+        f"static std::string __emu_sig_{name}() {{ return __emu::signature(&{name}); }}\n"
+        for name in kernel_names
+    )
+    table = "".join(f'    {{"{name}", __emu_entry_{name}, __emu_sig_{name}}},\n' for name in kernel_names)
+    main_include = '#include "emu_main.h"\n' if main else ""
     return f"""// generated by vllmini.emulator: do not edit
 #include "cuda_emu.h"
 #line 1 "{filename}"
 {code}
 #line 1 "<vllmini.emulator launcher>"
-{chr(10).join(dyn)}
-#include "emu_runtime.h"
-{entries}
-static const __emu::KernelEntry __emu_table[] = {{
-    {table}
-}};
+{dynamic_shared}#include "emu_runtime.h"
+{entries}static const __emu::KernelEntry __emu_table[] = {{
+{table}}};
 #include "emu_entry.h"
-{"#include " + chr(34) + "emu_main.h" + chr(34) if main else ""}
-"""
+{main_include}"""
 
 
 def _hash(*parts: str | bytes) -> str:
-    h = hashlib.sha256()
-    for p in parts:
-        h.update(p.encode() if isinstance(p, str) else p)
-        h.update(b"\0")
-    return h.hexdigest()[:24]
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part.encode() if isinstance(part, str) else part)
+        digest.update(b"\0")
+    return digest.hexdigest()[:24]
 
 
 def _option_flags(options: tuple[str, ...]) -> list[str]:
     flags = []
     for opt in options:
         if not isinstance(opt, str):
-            raise TypeError(f"options must be strings, got {opt!r}")
+            raise InvalidTypeError(f"options must be strings, got {type(opt).__name__} {opt!r}")
         if opt.startswith(("-D", "-U", "-I")):
             flags.append(opt)
         elif not opt.startswith(_IGNORED_OPTIONS):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"option {opt!r} is not supported by the CPU emulator (it accepts -D, -U, -I and ignores "
                 f"GPU-only flags such as -arch, -std, --use_fast_math)"
             )
@@ -246,18 +241,9 @@ def build(
     global compile_count
     cxx, version = find_compiler()
     flags = _option_flags(options)
-    headers = "".join((HERE / f).read_text() for f in (*HEADER_FILES, "emu_entry.h", "emu_main.h"))
+    headers = "".join((HERE / name).read_text() for name in HEADER_FILES)
     tu = translation_unit(code, filename, kernel_names, main=checked)
-    key = _hash(
-        BUILD_VERSION,
-        tu,
-        headers,
-        " ".join(flags),
-        cxx,
-        version,
-        sys.platform,
-        "checked" if checked else "so",
-    )
+    key = _hash(BUILD_VERSION, tu, headers, " ".join(flags), cxx, version, sys.platform, str(checked))
     out_dir = cache_dir()
     target = out_dir / (f"{Path(filename).stem}-{key}" + (".asan" if checked else ".so"))
     if target.exists():
@@ -277,15 +263,13 @@ def build(
         cmd = [
             cxx,
             "-std=c++17",
+            "-pthread",
             *mode,
             "-fno-strict-aliasing",
             f"-I{HERE}",
             f"-I{HERE / 'include'}",
-            *flags,
-            str(src),
-            "-o",
-            str(Path(tmp) / "out"),
         ]
+        cmd += [*flags, str(src), "-o", str(Path(tmp) / "out")]
         with _lock:
             compile_count += 1
         proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -297,12 +281,12 @@ def build(
 
 def _compile_message(stderr: str, filename: str, checked: bool) -> str:
     """One headline naming the kernel line, then the compiler's own output (trimmed)."""
-    lines = [ln for ln in stderr.splitlines() if "tu.cpp" not in ln]
-    errors = [ln.strip() for ln in lines if "error" in ln.lower()]
-    in_kernel = [ln for ln in errors if ln.startswith(f"{filename}:")]
+    lines = [line for line in stderr.splitlines() if "tu.cpp" not in line]
+    errors = [line.strip() for line in lines if "error" in line.lower()]
+    in_kernel = [line for line in errors if line.startswith(f"{filename}:")]
     head = (in_kernel or errors or ["the C++ compiler failed"])[0]
     origin = next(
-        (ln.strip() for ln in lines if ln.startswith(f"{filename}:") and "required from" in ln), None
+        (line.strip() for line in lines if line.startswith(f"{filename}:") and "required from" in line), None
     )
     if not in_kernel and origin:
         head += f" [{origin.split(':   required')[0].split(': required')[0]}]"
@@ -324,19 +308,14 @@ def load(path: Path) -> ctypes.CDLL:
         lib = _loaded.get(key)
         if lib is None:
             lib = ctypes.CDLL(key)
+            dims, u64 = ctypes.POINTER(ctypes.c_uint), ctypes.c_ulonglong
+            # emu_launch(kernel, args, grid, block, schedule, seed, launch id); emu_stop(launch id, reason)
             lib.emu_launch.restype = ctypes.c_int
-            lib.emu_launch.argtypes = [
-                ctypes.c_int,
-                ctypes.c_void_p,
-                ctypes.POINTER(ctypes.c_uint),
-                ctypes.POINTER(ctypes.c_uint),
-                ctypes.c_int,
-                ctypes.c_ulonglong,
-            ]
+            lib.emu_launch.argtypes = [ctypes.c_int, ctypes.c_void_p, dims, dims, ctypes.c_int, u64, u64]
+            lib.emu_stop.restype = None
+            lib.emu_stop.argtypes = [u64, ctypes.c_int]
             lib.emu_error.restype = ctypes.c_char_p
             lib.emu_signature.restype = ctypes.c_char_p
             lib.emu_signature.argtypes = [ctypes.c_int]
-            lib.emu_kernel_index.restype = ctypes.c_int
-            lib.emu_kernel_index.argtypes = [ctypes.c_char_p]
             _loaded[key] = lib
     return lib

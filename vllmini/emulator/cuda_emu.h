@@ -14,8 +14,10 @@
 //   sync         __syncthreads __syncthreads_count/_and/_or __syncwarp __threadfence(_block/_system)
 //   warp         __shfl_sync __shfl_up_sync __shfl_down_sync __shfl_xor_sync (any 2/4/8-byte type, width)
 //                __ballot_sync __any_sync __all_sync __activemask
-//   atomics      atomicAdd atomicSub atomicExch atomicMin atomicMax atomicCAS atomicAnd atomicOr atomicXor
-//                (int, unsigned, unsigned long long; atomicAdd/atomicExch also float and double)
+//   atomics      atomicAdd atomicExch atomicMin atomicMax atomicAnd atomicOr atomicXor on int, unsigned,
+//                long long, unsigned long long (atomicAdd also float, double, __half; atomicExch also float,
+//                as in CUDA: no double); atomicSub (int, unsigned); atomicInc atomicDec (unsigned);
+//                atomicCAS (any integer type)
 //   vector types char2/4 uchar2/4 short2/4 int2/3/4 uint2/3/4 float2/3/4 double2 longlong2 with make_*
 //   math         the C math library (expf, exp2f, logf, sqrtf, fmaxf, fabsf, fmaf, powf, tanhf, ...) plus
 //                __expf __exp10f __logf __log2f __powf __sinf __cosf __tanf __fdividef rsqrtf __frcp_rn
@@ -26,6 +28,8 @@
 //   half types   __half __half2 __nv_bfloat16 with __float2half(_rn) __half2float __float2bfloat16(_rn)
 //                __bfloat162float, arithmetic through float (cuda_fp16.h / cuda_bf16.h are accepted)
 //   other        assert (raises a Python error naming the kernel line), __trap, printf, clock, clock64
+//                (a counter: it advances by one per call). printf is a macro (so write printf, not
+//                std::printf) for a wrapper that a stop never interrupts while stdio holds its lock.
 // Not supported: cooperative groups, tensor cores (mma/wmma), inline PTX, textures/surfaces, cluster and
 // grid-wide sync, dynamic parallelism, __constant__ set from the host, device-side malloc.
 #pragma once
@@ -47,13 +51,22 @@
 #include <ctime>
 #include <type_traits>
 #include <utility>
-// Every standard header the runtime uses comes in here, BEFORE the CUDA macros below: newer libstdc++
+// Every system header the runtime uses comes in here, BEFORE the CUDA macros below: newer libstdc++
 // headers spell attributes like __attribute__((__noinline__)), which the macro would break.
 #include <algorithm>
+#include <atomic>
 #include <string>
 #include <vector>
+#include <dlfcn.h>
+#include <pthread.h>
 #include <setjmp.h>
 #include <signal.h>
+#include <sys/mman.h>
+#include <ucontext.h>
+#include <unistd.h>
+#if defined(__linux__)
+#include <link.h>
+#endif
 
 // ---------------------------------------------------------------- qualifiers
 #define __global__
@@ -102,27 +115,6 @@ struct dim3 {
 };
 
 // ---------------------------------------------------------------- half precision (storage + float math)
-struct __half {
-    unsigned short __x;
-    __half() = default;
-    __half(float f);
-    __half(double f) : __half(static_cast<float>(f)) {}
-    __half(int i) : __half(static_cast<float>(i)) {}
-    operator float() const;
-};
-struct __attribute__((aligned(4))) __half2 { __half x, y; };
-struct __nv_bfloat16 {
-    unsigned short __x;
-    __nv_bfloat16() = default;
-    __nv_bfloat16(float f);
-    __nv_bfloat16(double f) : __nv_bfloat16(static_cast<float>(f)) {}
-    __nv_bfloat16(int i) : __nv_bfloat16(static_cast<float>(i)) {}
-    operator float() const;
-};
-struct __attribute__((aligned(4))) __nv_bfloat162 { __nv_bfloat16 x, y; };
-typedef __half half;
-typedef __half2 half2;
-
 namespace __emu {
 inline unsigned int f2u(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
 inline float u2f(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
@@ -152,10 +144,22 @@ inline unsigned short float_to_bf16_bits(float f) {
 inline float bf16_bits_to_float(unsigned short b) { return u2f(static_cast<unsigned int>(b) << 16); }
 }  // namespace __emu
 
-inline __half::__half(float f) : __x(__emu::float_to_half_bits(f)) {}
-inline __half::operator float() const { return __emu::half_bits_to_float(__x); }
-inline __nv_bfloat16::__nv_bfloat16(float f) : __x(__emu::float_to_bf16_bits(f)) {}
-inline __nv_bfloat16::operator float() const { return __emu::bf16_bits_to_float(__x); }
+// H: 16 bits of storage, converted to and from float with TO / FROM; H2: a pair of them
+#define EMU_HALF_TYPE(H, H2, TO, FROM)                                                          \
+    struct H {                                                                                  \
+        unsigned short __x;                                                                     \
+        H() = default;                                                                          \
+        H(float f) : __x(__emu::TO(f)) {}                                                       \
+        H(double f) : H(static_cast<float>(f)) {}                                               \
+        H(int i) : H(static_cast<float>(i)) {}                                                  \
+        operator float() const { return __emu::FROM(__x); }                                     \
+    };                                                                                          \
+    struct __attribute__((aligned(4))) H2 { H x, y; };
+EMU_HALF_TYPE(__half, __half2, float_to_half_bits, half_bits_to_float)
+EMU_HALF_TYPE(__nv_bfloat16, __nv_bfloat162, float_to_bf16_bits, bf16_bits_to_float)
+#undef EMU_HALF_TYPE
+typedef __half half;
+typedef __half2 half2;
 inline __half __float2half(float f) { return __half(f); }
 inline __half __float2half_rn(float f) { return __half(f); }
 inline float __half2float(__half h) { return static_cast<float>(h); }
@@ -208,7 +212,6 @@ inline float __sinf(float x) { return sinf(x); }
 inline float __cosf(float x) { return cosf(x); }
 inline float __tanf(float x) { return tanf(x); }
 inline void __sincosf(float x, float* s, float* c) { *s = sinf(x); *c = cosf(x); }
-inline void sincosf_emu(float x, float* s, float* c) { *s = sinf(x); *c = cosf(x); }
 inline float __fdividef(float x, float y) { return x / y; }
 inline float __fdiv_rn(float x, float y) { return x / y; }
 inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
@@ -272,6 +275,7 @@ unsigned long long warp_collective(int op, unsigned int mask, unsigned long long
                                    const char* file, int line);
 int block_barrier(int kind, int pred, const char* file, int line);
 unsigned int active_mask();
+int kernel_printf(const char* format, ...) __attribute__((format(printf, 1, 2)));
 template <class T> inline unsigned long long to_bits(T v) {
     static_assert(sizeof(T) <= 8 && std::is_trivially_copyable_v<T>, "warp shuffles move 1 to 8 bytes");
     unsigned long long b = 0;
@@ -371,6 +375,7 @@ template <class T> inline T atomicCAS(T* p, T compare, T v) {
 #define atomicMin_block atomicMin
 
 // ---------------------------------------------------------------- misc
+#define printf ::__emu::kernel_printf  // the C printf, never cut short by a stop (see emu_runtime.h)
 inline long long clock64() { static long long t = 0; return t += 1; }
 #define clock() (static_cast<long>(clock64()))
 [[noreturn]] inline void __trap(EMU_HERE) { __emu::fail(__file, __line, "__trap() called"); }

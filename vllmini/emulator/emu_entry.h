@@ -1,31 +1,28 @@
 // emu_entry.h: the C functions Python calls through ctypes (part of the generated translation unit).
-// The library is built with -fvisibility=hidden and these five are the only exported symbols, so every
+// The library is built with -fvisibility=hidden and these four are the only exported symbols, so every
 // kernel library keeps its own runtime state even when several are loaded into one process.
 #define EMU_API __attribute__((visibility("default")))
 extern "C" {
-EMU_API int emu_kernel_count() { return static_cast<int>(sizeof(__emu_table) / sizeof(__emu_table[0])); }
-
-EMU_API int emu_kernel_index(const char* name) {
-    for (int k = 0; k < emu_kernel_count(); ++k)
-        if (!strcmp(__emu_table[k].name, name)) return k;
-    return -1;
-}
-
 // Parameter codes of kernel k, e.g. "Pmf4;Pcf4;Si4;" (see __emu::param_code).
 EMU_API const char* emu_signature(int k) {
-    static std::vector<std::string> sigs;
-    if (sigs.empty())
-        for (int i = 0; i < emu_kernel_count(); ++i) sigs.push_back(__emu_table[i].signature());
-    return sigs[k].c_str();
+    static std::vector<std::string> signatures;
+    if (signatures.empty())
+        for (const auto& entry : __emu_table) signatures.push_back(entry.signature());
+    return signatures[k].c_str();
 }
 
 EMU_API const char* emu_error() { return __emu::error_message; }
 
-// Run kernel k over the whole grid. args[i] points to the value of parameter i. 0 = ok, -1 = error.
+// Run kernel k over the whole grid; args[i] points to the value of parameter i. Returns a __emu::Result:
+// OK, KERNEL_ERROR, or INTERRUPTED / TIME_LIMIT when emu_stop(id, ...) stopped it (message: emu_error).
 EMU_API int emu_launch(int k, void** args, const unsigned int* grid, const unsigned int* block, int schedule,
-                       unsigned long long seed) {
-    int rc = __emu::launch(__emu_table[k].entry, args, grid, block, schedule, seed);
+                       unsigned long long seed, unsigned long long id) {
+    int result = __emu::launch(__emu_table[k].entry, args, grid, block, schedule, seed, id);
     fflush(stdout);  // the kernel's printf output appears now, not whenever the C buffer fills
-    return rc;
+    return result;
 }
+
+// From any OS thread: stop launch `id` with reason 2 (INTERRUPTED) or 3 (TIME_LIMIT), within
+// microseconds, even if one of its threads spins forever; a launch that has not started yet stops at once.
+EMU_API void emu_stop(unsigned long long id, int reason) { __emu::request_stop(id, reason); }
 }

@@ -4,9 +4,10 @@
 // Execution model
 //   * Blocks run one after another (x fastest, then y, then z) on the calling OS thread.
 //   * Every CUDA thread of a block is a fiber: its own stack (mmap'd, with a guard page) and a saved
-//     context. On x86-64 Linux a fiber switch is 12 instructions of assembly below (save the callee-saved
-//     registers on the old stack, swap stack pointers, restore); elsewhere (aarch64, macOS, or with
-//     -DEMU_UCONTEXT) it is ucontext's swapcontext, which is portable but makes a system call per switch.
+//     context. On x86-64 Linux a fiber switch is the 21 instructions of assembly below (save the
+//     callee-saved registers and FP control words on the old stack, swap stack pointers, restore);
+//     elsewhere (aarch64, macOS, or with -DEMU_UCONTEXT) it is ucontext's swapcontext, which is portable
+//     but makes a system call per switch.
 //   * The scheduler walks the threads in a fixed order ("in order", "reverse", or a seeded shuffle
 //     redrawn on every pass) and runs each until it reaches __syncthreads(), a warp collective, or
 //     returns. Nothing else switches, so a run is deterministic: a race shows up on every run.
@@ -18,21 +19,12 @@
 //   * A memory fault inside a kernel (a wild index, a fiber stack overflow into its guard page) is caught
 //     by a SIGSEGV/SIGBUS handler on an alternate stack that jumps back out of the launch, so Python gets
 //     an exception instead of a crash (not in checked mode: AddressSanitizer reports those itself).
+//   * Stopping: emu_stop (from another OS thread: Python's Ctrl-C handling or its time limit) sends the
+//     launching thread EMU_STOP_SIGNAL, whose handler jumps out of the launch the same way, wherever the
+//     launch is: even inside a thread that spins forever and never yields. Kernel printf blocks the
+//     signal while stdio holds its lock, so a stop never leaves stdout locked.
 //   * Shared memory is thread_local storage (one copy per OS thread = per block); before each block
 //     the module's whole TLS block is filled with 0xFF bytes, so a read before the write reads NaN.
-#include <dlfcn.h>
-#include <setjmp.h>
-#include <signal.h>
-#include <sys/mman.h>
-#include <ucontext.h>
-#include <unistd.h>
-
-#include <algorithm>
-#include <string>
-#include <vector>
-#if defined(__linux__)
-#include <link.h>
-#endif
 #if defined(__SANITIZE_ADDRESS__)
 #define EMU_ASAN 1
 #elif defined(__has_feature)
@@ -95,6 +87,8 @@ emu_fiber_start:
 namespace __emu {
 
 enum State { ST_RUN = 0, ST_BARRIER, ST_WARP, ST_DONE };
+// What a launch returns to Python; INTERRUPTED and TIME_LIMIT are also the reasons emu_stop takes.
+enum Result { OK = 0, KERNEL_ERROR = 1, INTERRUPTED = 2, TIME_LIMIT = 3 };
 
 struct Fiber : ThreadView {
 #ifdef EMU_FAST_SWITCH
@@ -114,12 +108,14 @@ struct Fiber : ThreadView {
 struct Launch {
     void (*entry)(void**) = nullptr;
     void** args = nullptr;
+    unsigned long long id = 0;  // Python's number for this launch, which emu_stop names
     std::vector<Fiber> fibers;
     std::vector<char*> stacks;
     size_t stack_size = 0;
     std::vector<int> order;
     int n = 0, n_done = 0, n_barrier = 0;
-    int failed = 0;
+    int result = OK;
+    unsigned long long blocks_done = 0;
 #ifdef EMU_FAST_SWITCH
     void* scheduler_sp = nullptr;
 #else
@@ -175,56 +171,33 @@ inline void to_fiber(Fiber* f) {  // the scheduler resumes a fiber
 #endif
 }
 
-inline void describe_thread(char* buf, size_t n, const Fiber* f) {
-    snprintf(buf, n, "thread (%u,%u,%u) of block (%u,%u,%u) [warp %d lane %d]", f->tid.x, f->tid.y, f->tid.z,
+inline void describe_thread(char* buf, size_t size, const Fiber* f) {
+    snprintf(buf, size, "thread (%u,%u,%u) of block (%u,%u,%u) [warp %d lane %d]", f->tid.x, f->tid.y, f->tid.z,
              block_idx.x, block_idx.y, block_idx.z, f->lin / 32, f->lin % 32);
 }
 
-inline void record_error(const Fiber* who, const char* file, int line, const char* fmt, va_list ap) {
-    if (L.failed) return;  // keep the first error
-    char msg[3072];
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    if (who) {
-        char where[160];
+// Called from inside a fiber: record the error (naming thread `who`, unless an error came first) and
+// leave for good; the scheduler sees L.result and abandons the launch.
+[[noreturn]] inline void vfail(const Fiber* who, const char* file, int line, const char* format, va_list ap) {
+    if (!L.result) {
+        char msg[3072], where[160];
+        vsnprintf(msg, sizeof msg, format, ap);
         describe_thread(where, sizeof where, who);
         snprintf(error_message, sizeof error_message, "%s:%d: %s: %s", file, line, where, msg);
-    } else {
-        snprintf(error_message, sizeof error_message, "%s", msg);
+        L.result = KERNEL_ERROR;
     }
-    L.failed = 1;
+    self()->state = ST_DONE;
+    to_scheduler_final();
 }
-
-// Called from inside a fiber: record the error (naming thread `who`) and leave for good; the scheduler
-// sees L.failed and abandons the launch.
-[[noreturn]] inline void fail_as(const Fiber* who, const char* file, int line, const char* fmt, ...) {
+[[noreturn]] inline void fail_as(const Fiber* who, const char* file, int line, const char* format, ...) {
     va_list ap;
-    va_start(ap, fmt);
-    record_error(who, file, line, fmt, ap);
-    va_end(ap);
-    if (cur) {
-        self()->state = ST_DONE;
-        to_scheduler_final();
-    }
-    abort();  // unreachable: a failed fiber is never resumed
+    va_start(ap, format);
+    vfail(who, file, line, format, ap);
 }
-
-[[noreturn]] void fail(const char* file, int line, const char* fmt, ...) {
+[[noreturn]] void fail(const char* file, int line, const char* format, ...) {
     va_list ap;
-    va_start(ap, fmt);
-    record_error(self(), file, line, fmt, ap);
-    va_end(ap);
-    if (cur) {
-        self()->state = ST_DONE;
-        to_scheduler_final();
-    }
-    abort();
-}
-
-inline void scheduler_error(const char* fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    record_error(nullptr, "", 0, fmt, ap);
-    va_end(ap);
+    va_start(ap, format);
+    vfail(self(), file, line, format, ap);
 }
 
 inline const char* op_name(int op) {
@@ -244,10 +217,10 @@ inline const char* op_name(int op) {
 inline unsigned int active_mask() {
     Fiber* f = self();
     int base = f->lin & ~31;
-    unsigned int m = 0;
-    for (int l = 0; l < 32 && base + l < L.n; ++l)
-        if (L.fibers[base + l].state != ST_DONE) m |= 1u << l;
-    return m;
+    unsigned int mask = 0;
+    for (int lane = 0; lane < 32 && base + lane < L.n; ++lane)
+        if (L.fibers[base + lane].state != ST_DONE) mask |= 1u << lane;
+    return mask;
 }
 
 // Complete the collective that thread f just arrived at, if every lane of its mask is there.
@@ -288,10 +261,9 @@ inline void try_complete_collective(Fiber* f) {
         }
         switch (g->op) {
             case OP_SHFL_IDX: case OP_SHFL_UP: case OP_SHFL_DOWN: case OP_SHFL_XOR:
-                if (!((f->mask >> src) & 1u)) {
-                    fail_as(g, g->file, g->line, "%s(mask 0x%08x) reads lane %d, which is not in the mask", op_name(g->op),
-                         g->mask, src);
-                }
+                if (!((f->mask >> src) & 1u))
+                    fail_as(g, g->file, g->line, "%s(mask 0x%08x) reads lane %d, which is not in the mask",
+                            op_name(g->op), g->mask, src);
                 g->result = L.fibers[base + src].value;
                 break;
             case OP_BALLOT: g->result = votes; break;
@@ -405,12 +377,12 @@ inline int find_tls(struct dl_phdr_info* info, size_t, void* data) {
 #endif
 inline thread_local char tls_anchor;  // touching it makes the loader allocate this module's TLS block
 inline TlsRange shared_memory_range() {
-    TlsRange r;
+    TlsRange range;
     tls_anchor = 1;
 #if defined(__linux__)
-    dl_iterate_phdr(find_tls, &r);
+    dl_iterate_phdr(find_tls, &range);
 #endif
-    return r;  // elsewhere (macOS): not found, shared memory is not poisoned
+    return range;  // elsewhere (macOS): not found, shared memory is not poisoned
 }
 
 inline unsigned long long next_random() {  // splitmix64
@@ -420,35 +392,60 @@ inline unsigned long long next_random() {  // splitmix64
     return z ^ (z >> 31);
 }
 
-// schedule: 0 = in order, 1 = reverse, 2 = seeded shuffle redrawn on every pass
+// Append to msg what the threads of the block that wait at a barrier or collective wait for (at most 6),
+// the first after `lead`.
+inline int describe_waiting(char* msg, int len, int size, const char* lead) {
+    int shown = 0;
+    for (auto& g : L.fibers) {
+        if ((g.state != ST_BARRIER && g.state != ST_WARP) || shown >= 6 || len >= size - 200) continue;
+        len += snprintf(msg + len, size - len, "%sthread %d waits at %s (%s:%d)", shown ? "; " : lead, g.lin,
+                        g.state == ST_BARRIER ? "__syncthreads()" : op_name(g.op), g.file, g.line);
+        int base = g.lin & ~31;
+        for (int l = 0; g.state == ST_WARP && l < 32; ++l)
+            if (((g.mask >> l) & 1u) && L.fibers[base + l].state != ST_WARP) {
+                int other = base + l < L.n ? L.fibers[base + l].state : ST_DONE;
+                len += snprintf(msg + len, size - len, " for lane %d, which %s", l,
+                                other == ST_BARRIER ? "waits at __syncthreads()"
+                                : other == ST_DONE  ? "has returned"
+                                                    : "waits at another collective");
+                break;
+            }
+        shown++;
+    }
+    return len;
+}
+
+inline void fill_stack(Fiber& f) {  // a fresh start: the fiber's first switch enters fiber_main
+#ifdef EMU_FAST_SWITCH
+    // a stack that emu_switch "returns" into emu_fiber_start: FP control words, six zeroed registers,
+    // then the return address
+    void** top = reinterpret_cast<void**>(L.stacks[f.lin] + L.stack_size) - 2;
+    top[0] = reinterpret_cast<void*>(&emu_fiber_start);
+    top -= 6;
+    for (int r = 0; r < 6; ++r) top[r] = nullptr;
+    top -= 1;
+    const unsigned int fp_words[2] = {0x1f80u, 0x037fu};  // MXCSR and x87 control word defaults
+    memcpy(top, fp_words, 8);
+    f.sp = top;
+#else
+    getcontext(&f.ctx);
+    f.ctx.uc_stack.ss_sp = L.stacks[f.lin];
+    f.ctx.uc_stack.ss_size = L.stack_size;
+    f.ctx.uc_link = nullptr;
+    makecontext(&f.ctx, fiber_main, 0);
+#endif
+}
+
+// schedule: 0 = in order, 1 = reverse, 2 = seeded shuffle redrawn on every pass. Returns L.result.
 inline int run_block(int schedule, TlsRange shared) {
     if (shared.start) memset(shared.start, 0xff, shared.size);
     L.n_done = L.n_barrier = 0;
-    for (int i = 0; i < L.n; ++i) {
-        Fiber& f = L.fibers[i];
+    for (Fiber& f : L.fibers) {
         f.state = ST_RUN;
         f.value = f.result = 0;
-        f.op = 0;
-        f.line = 0;
+        f.op = f.line = 0;
         f.file = "";
-#ifdef EMU_FAST_SWITCH
-        // a fresh stack that emu_switch "returns" into emu_fiber_start: FP control words, six zeroed
-        // registers, then the return address
-        void** top = reinterpret_cast<void**>(L.stacks[i] + L.stack_size) - 2;
-        top[0] = reinterpret_cast<void*>(&emu_fiber_start);
-        top -= 6;
-        for (int r = 0; r < 6; ++r) top[r] = nullptr;
-        top -= 1;
-        const unsigned int fp_words[2] = {0x1f80u, 0x037fu};  // MXCSR and x87 control word defaults
-        memcpy(top, fp_words, 8);
-        f.sp = top;
-#else
-        getcontext(&f.ctx);
-        f.ctx.uc_stack.ss_sp = L.stacks[i];
-        f.ctx.uc_stack.ss_size = L.stack_size;
-        f.ctx.uc_link = nullptr;
-        makecontext(&f.ctx, fiber_main, 0);
-#endif
+        fill_stack(f);
     }
     for (;;) {
         if (schedule == 2)
@@ -460,34 +457,16 @@ inline int run_block(int schedule, TlsRange shared) {
             to_fiber(f);
             cur = nullptr;
             progressed = true;
-            if (L.failed) return -1;
+            if (L.result) return L.result;
         }
-        if (L.n_done == L.n) return 0;
+        if (L.n_done == L.n) return OK;
         if (!progressed) {  // everyone waits: describe who waits where
             char msg[3072];
             int len = snprintf(msg, sizeof msg, "deadlock in block (%u,%u,%u): ", block_idx.x, block_idx.y, block_idx.z);
-            int shown = 0;
-            for (auto& g : L.fibers) {
-                if (g.state == ST_DONE || shown >= 6 || len >= (int)sizeof msg - 200) continue;
-                len += snprintf(msg + len, sizeof msg - len, "%sthread %d waits at %s (%s:%d)", shown ? "; " : "", g.lin,
-                                g.state == ST_BARRIER ? "__syncthreads()" : op_name(g.op), g.file, g.line);
-                if (g.state == ST_WARP) {
-                    int base = g.lin & ~31;
-                    for (int l = 0; l < 32; ++l)
-                        if (((g.mask >> l) & 1u) && L.fibers[base + l].state != ST_WARP) {
-                            int st = base + l < L.n ? L.fibers[base + l].state : ST_DONE;
-                            len += snprintf(msg + len, sizeof msg - len, " for lane %d, which %s", l,
-                                            st == ST_BARRIER ? "waits at __syncthreads()"
-                                            : st == ST_DONE  ? "has returned"
-                                                             : "waits at another collective");
-                            break;
-                        }
-                }
-                shown++;
-            }
+            len = describe_waiting(msg, len, sizeof msg, "");
             snprintf(msg + len, sizeof msg - len, "; %d of %d threads have returned", L.n_done, L.n);
-            scheduler_error("%s", msg);
-            return -1;
+            snprintf(error_message, sizeof error_message, "%s", msg);
+            return L.result = KERNEL_ERROR;
         }
     }
 }
@@ -503,15 +482,70 @@ inline size_t stack_bytes() {
     return kb * 1024;
 }
 
-// ---- memory faults: turn SIGSEGV/SIGBUS during a launch into an error instead of a dead process
-inline sigjmp_buf fault_jump;
+// ---- leaving a launch from a signal handler: memory faults, and stops asked for by another thread
+#define EMU_STOP_SIGNAL SIGURG  // ignored by default, so one arriving late does nothing; Python leaves it alone
+inline sigjmp_buf abandon;                       // the end of launch(): faults and stops jump here
+inline volatile sig_atomic_t in_grid = 0;        // 1 while run_grid runs, so a jump to `abandon` is safe
+inline pthread_mutex_t stop_mutex = PTHREAD_MUTEX_INITIALIZER;
+inline pthread_t launch_thread;                  // the OS thread that runs launch running_id
+inline unsigned long long running_id = 0;        // 0 = no launch in progress (both under stop_mutex)
+inline std::atomic<unsigned long long> stop_id{0};  // the launch asked to stop, and why
+inline std::atomic<int> stop_reason{OK};
+
+inline void set_running(unsigned long long id) {
+    pthread_mutex_lock(&stop_mutex);
+    running_id = id;
+    launch_thread = pthread_self();
+    pthread_mutex_unlock(&stop_mutex);
+}
+
+// Any thread: stop launch `id` (INTERRUPTED or TIME_LIMIT), now if it runs, at its start if it has not begun.
+inline void request_stop(unsigned long long id, int reason) {
+    pthread_mutex_lock(&stop_mutex);
+    stop_reason = reason;
+    stop_id = id;
+    if (running_id == id) pthread_kill(launch_thread, EMU_STOP_SIGNAL);
+    pthread_mutex_unlock(&stop_mutex);
+}
+
+[[noreturn]] inline void stop_now() {  // on the launching thread: say where the launch was, then leave
+    in_grid = 0;
+    L.result = stop_reason;
+    int len = snprintf(error_message, sizeof error_message, "%s in block (%u,%u,%u) of grid (%u,%u,%u) (%llu blocks "
+                       "finished before it)", L.result == TIME_LIMIT ? "time limit reached" : "interrupted",
+                       block_idx.x, block_idx.y, block_idx.z, grid_dim.x, grid_dim.y, grid_dim.z, L.blocks_done);
+    const int size = sizeof error_message;
+    if (cur && self()->state == ST_RUN) {
+        char where[160];
+        describe_thread(where, sizeof where, self());
+        len += snprintf(error_message + len, size - len, ": %s was running and had not reached a barrier, a warp "
+                        "collective or its end (a spin-wait on another thread, or a very long loop?)", where);
+    }
+    len += snprintf(error_message + len, size - len, "; threads of the block not finished: %d of %d",
+                    L.n - L.n_done, L.n);
+    describe_waiting(error_message, len, size, ": ");
+    siglongjmp(abandon, 1);
+}
+
+inline void on_stop_signal(int) {
+    if (in_grid && stop_id == L.id) stop_now();  // else run_grid sees stop_id before its next block
+}
+
+struct SavedHandlers { stack_t alt_stack; struct sigaction segv, bus, stop; };
+inline SavedHandlers saved;  // the handlers a launch replaced, put back when it ends
+
 inline void on_fault(int sig, siginfo_t* info, void*) {
+    if (!in_grid || !pthread_equal(pthread_self(), launch_thread)) {
+        // not the kernel's fault (another thread's): the old handler takes it when the instruction faults again
+        sigaction(sig, sig == SIGBUS ? &saved.bus : &saved.segv, nullptr);
+        return;
+    }
     char where[160] = "the launcher";
     if (cur) describe_thread(where, sizeof where, self());
     const char* addr = static_cast<const char*>(info->si_addr);
     long page = sysconf(_SC_PAGESIZE);
     bool overflow = false;
-    for (char* st : L.stacks) overflow |= addr >= st - page && addr < st;
+    for (char* stack : L.stacks) overflow |= addr >= stack - page && addr < stack;
     if (overflow)
         snprintf(error_message, sizeof error_message,
                  "%s: stack overflow: the thread's local variables need more than the %zu KiB fiber stack "
@@ -521,71 +555,121 @@ inline void on_fault(int sig, siginfo_t* info, void*) {
                  "%s: %s at address %p: the kernel touched memory it does not own (an index out of bounds?); "
                  "run it with checked=True to find the line", where, sig == SIGBUS ? "bus error" : "segmentation fault",
                  info->si_addr);
-    L.failed = 1;
-    siglongjmp(fault_jump, 1);
+    in_grid = 0;
+    L.result = KERNEL_ERROR;
+    siglongjmp(abandon, 1);
 }
 
-inline int run_grid(const unsigned int grid[3], int schedule, TlsRange shared) {
-    int rc = 0;
-    for (unsigned int z = 0; z < grid[2] && rc == 0; ++z)
-        for (unsigned int y = 0; y < grid[1] && rc == 0; ++y)
-            for (unsigned int x = 0; x < grid[0] && rc == 0; ++x) {
+// Install the fault handlers (not under AddressSanitizer, which has its own) and the stop handler.
+inline void install_handlers() {
+    struct sigaction action{};
+    sigemptyset(&action.sa_mask);
+    sigaddset(&action.sa_mask, SIGSEGV);  // the handlers never interrupt each other
+    sigaddset(&action.sa_mask, SIGBUS);
+    sigaddset(&action.sa_mask, EMU_STOP_SIGNAL);
+    action.sa_flags = SA_ONSTACK;
+    action.sa_handler = on_stop_signal;
+    sigaction(EMU_STOP_SIGNAL, &action, &saved.stop);
+#ifndef EMU_ASAN
+    static char alt_stack[1 << 16];
+    stack_t stack{};
+    stack.ss_sp = alt_stack;
+    stack.ss_size = sizeof alt_stack;
+    sigaltstack(&stack, &saved.alt_stack);
+    action.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    action.sa_sigaction = on_fault;
+    sigaction(SIGSEGV, &action, &saved.segv);
+    sigaction(SIGBUS, &action, &saved.bus);
+#endif
+}
+
+// Put the old handlers back. SIG_IGN first discards a stop signal still pending (POSIX says so), so a late
+// one never reaches the old handler.
+inline void restore_handlers() {
+    struct sigaction ignore{};
+    ignore.sa_handler = SIG_IGN;
+    sigaction(EMU_STOP_SIGNAL, &ignore, nullptr);
+    sigaction(EMU_STOP_SIGNAL, &saved.stop, nullptr);
+#ifndef EMU_ASAN
+    sigaction(SIGSEGV, &saved.segv, nullptr);
+    sigaction(SIGBUS, &saved.bus, nullptr);
+    sigaltstack(&saved.alt_stack, nullptr);
+#endif
+}
+
+int kernel_printf(const char* format, ...) {  // blocks the stop signal while stdio holds its lock
+    sigset_t stop, old;
+    sigemptyset(&stop);
+    sigaddset(&stop, EMU_STOP_SIGNAL);
+    pthread_sigmask(SIG_BLOCK, &stop, &old);
+    va_list ap;
+    va_start(ap, format);
+    int written = vprintf(format, ap);
+    va_end(ap);
+    pthread_sigmask(SIG_SETMASK, &old, nullptr);  // a stop that came meanwhile is handled here
+    return written;
+}
+
+inline void run_grid(const unsigned int grid[3], int schedule, TlsRange shared) {
+    for (unsigned int z = 0; z < grid[2]; ++z)
+        for (unsigned int y = 0; y < grid[1]; ++y)
+            for (unsigned int x = 0; x < grid[0]; ++x) {
                 block_idx = uint3{x, y, z};
-                rc = run_block(schedule, shared);
+                if (stop_id == L.id) stop_now();
+                if (run_block(schedule, shared) != OK) return;
+                L.blocks_done++;
             }
-    return rc;
 }
 
-inline int launch(void (*entry)(void**), void** args, const unsigned int grid[3], const unsigned int block[3],
-                  int schedule, unsigned long long seed) {
-    L.failed = 0;
+// Set up L for a launch: sizes, fibers, stacks (kept for later launches), the thread order.
+inline bool prepare(void (*entry)(void**), void** args, const unsigned int grid[3], const unsigned int block[3],
+                    int schedule, unsigned long long seed, unsigned long long id) {
+    L.result = OK;
+    L.blocks_done = 0;
     error_message[0] = 0;
     L.entry = entry;
     L.args = args;
+    L.id = id;
+    L.rng = seed;
     L.n = static_cast<int>(block[0] * block[1] * block[2]);
     grid_dim = dim3(grid[0], grid[1], grid[2]);
     block_dim = dim3(block[0], block[1], block[2]);
     if (L.stack_size == 0) L.stack_size = stack_bytes();
     long page = sysconf(_SC_PAGESIZE);
-    while (static_cast<int>(L.stacks.size()) < L.n) {  // stacks are kept for later launches
-        size_t total = L.stack_size + page;
-        void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-        if (p == MAP_FAILED) { snprintf(error_message, sizeof error_message, "out of memory for thread stacks"); return -1; }
+    while (static_cast<int>(L.stacks.size()) < L.n) {
+        void* p = mmap(nullptr, L.stack_size + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED) {
+            snprintf(error_message, sizeof error_message, "out of memory for thread stacks");
+            return false;
+        }
         mprotect(p, page, PROT_NONE);  // guard page: a stack overflow faults instead of corrupting memory
         L.stacks.push_back(static_cast<char*>(p) + page);
     }
     L.fibers.assign(L.n, Fiber());
     L.order.resize(L.n);
     for (int i = 0; i < L.n; ++i) {
-        Fiber& f = L.fibers[i];
-        f.lin = i;
-        f.tid = uint3{i % block[0], (i / block[0]) % block[1], i / (block[0] * block[1])};
+        L.fibers[i].lin = i;
+        L.fibers[i].tid = uint3{i % block[0], (i / block[0]) % block[1], i / (block[0] * block[1])};
         L.order[i] = schedule == 1 ? L.n - 1 - i : i;
     }
-    L.rng = seed;
+    return true;
+}
+
+inline int launch(void (*entry)(void**), void** args, const unsigned int grid[3], const unsigned int block[3],
+                  int schedule, unsigned long long seed, unsigned long long id) {
+    if (!prepare(entry, args, grid, block, schedule, seed, id)) return KERNEL_ERROR;
     TlsRange shared = shared_memory_range();
-#ifdef EMU_ASAN
-    int rc = run_grid(grid, schedule, shared);
-#else
-    static char alt_stack[1 << 16];
-    stack_t ss{}, old_ss{};
-    ss.ss_sp = alt_stack;
-    ss.ss_size = sizeof alt_stack;
-    sigaltstack(&ss, &old_ss);
-    struct sigaction sa{}, old_segv{}, old_bus{};
-    sa.sa_sigaction = on_fault;
-    sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
-    sigemptyset(&sa.sa_mask);
-    sigaction(SIGSEGV, &sa, &old_segv);
-    sigaction(SIGBUS, &sa, &old_bus);
-    volatile int rc = -1;
-    if (sigsetjmp(fault_jump, 1) == 0) rc = run_grid(grid, schedule, shared);
-    sigaction(SIGSEGV, &old_segv, nullptr);
-    sigaction(SIGBUS, &old_bus, nullptr);
-    sigaltstack(&old_ss, nullptr);
-#endif
+    install_handlers();
+    set_running(id);
+    if (sigsetjmp(abandon, 1) == 0) {
+        in_grid = 1;
+        run_grid(grid, schedule, shared);
+    }
+    in_grid = 0;
+    set_running(0);  // from here on, request_stop sends no signal
+    restore_handlers();
     cur = nullptr;
-    return rc;
+    return L.result;
 }
 
 // How arguments are described to Python: one code per parameter, e.g. "Pcf4" = pointer to const float,
