@@ -33,6 +33,7 @@ _EXPORTS = {
     "Sequence": "scheduler",
     "Scheduler": "scheduler",
     "SamplingParams": "engine",
+    "EngineConfig": "engine",
     "RequestOutput": "engine",
     "LLMEngine": "engine",
 }
