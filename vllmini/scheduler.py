@@ -247,6 +247,20 @@ class Scheduler:
         """Slots a static policy reserves for `seq` at admission."""
         return self.max_model_len if self.policy == "static" else seq.max_len
 
+    def _admit_tokens(self, seq: Sequence) -> int:
+        """Slots `seq` takes when admitted: its tokens (paged), or its reservation (static policies)."""
+        return seq.num_tokens if self.policy == "paged" else self._reserve(seq)
+
+    def stall_message(self) -> str:
+        """Why nothing can be scheduled although requests wait (for the engine's no-progress error)."""
+        bm, head = self.block_manager, self.waiting[0]
+        need = cdiv(self._admit_tokens(head), self.block_size)
+        return (
+            f"request {head.seq_id} ({head.num_tokens} tokens, {need} blocks) cannot be scheduled with "
+            f"nothing running: {bm.num_free_blocks} of {bm.num_blocks} blocks free, {bm.watermark_blocks} "
+            f"held back as watermark"
+        )
+
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.block_manager.free(seq.seq_id)
         self._stale.discard(seq.seq_id)
@@ -289,9 +303,9 @@ class Scheduler:
             n = seq.num_tokens  # prompt + whatever it generated before a preemption
             if out.prefills and n > budget:
                 break
-            if not bm.can_allocate(n if self.policy == "paged" else self._reserve(seq)):
+            if not bm.can_allocate(self._admit_tokens(seq)):
                 break
-            bm.allocate(seq.seq_id, n if self.policy == "paged" else self._reserve(seq))
+            bm.allocate(seq.seq_id, self._admit_tokens(seq))
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -334,9 +348,18 @@ class Scheduler:
         )
 
     def usage(self) -> dict:
-        """KV memory right now: slots holding real tokens vs allocated (reserved) vs in the pool."""
-        u = self.block_manager.utilization()
-        keys = ("allocated_slots", "pool_slots", "used_blocks", "free_blocks")
-        # the block manager counts a static reservation as tokens: count those the sequences hold
-        # (a running sequence holds num_tokens - 1 tokens between steps, num_tokens during its forward)
-        return {"num_tokens": sum(s.num_tokens for s in self.running)} | {k: u[k] for k in keys}
+        """KV memory right now: slots holding real tokens vs allocated (reserved) vs in the pool.
+
+        O(sequences), for every step: BlockManager.utilization walks every block (it counts shared blocks
+        once; 7 ms a step at 16k blocks), and counts a static reservation as tokens."""
+        bm = self.block_manager
+        # a running sequence holds num_tokens - 1 tokens between steps, num_tokens during its forward
+        num_tokens = sum(s.num_tokens for s in self.running)
+        used = bm.num_blocks - bm.num_free_blocks
+        return {
+            "num_tokens": num_tokens,
+            "allocated_slots": used * self.block_size,
+            "pool_slots": bm.num_blocks * self.block_size,
+            "used_blocks": used,
+            "free_blocks": bm.num_free_blocks,
+        }
