@@ -1,21 +1,18 @@
-"""vllmini.engine and vllmini.scheduler: greedy tokens as transformers, preemption, sampling, rejection.
+"""vllmini.engine: greedy tokens as transformers, preemption, sampling, rejection, the config, and steps
+that fail or are interrupted (rolled back, retried, aborted). The scheduler alone: tests/test_scheduler.py.
 
 The model is a tiny random-weight transformers LlamaForCausalLM (GQA, tied embeddings, Llama-3 rope
 scaling); the reference decodes it greedily in float64, one prompt at a time, and records the gap
 between its top-2 logits at every step so that genuine ties (gap < 1e-4) are not counted as errors.
 """
 
-import random
-
+import numpy as np
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
 
 from vllmini.engine import LLMEngine, RequestOutput, SamplingParams, sample
-from vllmini.errors import VllminiError
+from vllmini.errors import EngineStateError, InvalidArgumentError, InvalidTypeError, VllminiError
 from vllmini.model import LlamaModel
-from vllmini.scheduler import Scheduler, Sequence, SequenceStatus
 
 transformers = pytest.importorskip("transformers")
 from llama_cases import LLAMA3_ROPE, random_hf_model  # noqa: E402 (needs transformers)
@@ -225,17 +222,58 @@ def test_eos_ids_come_from_the_model(model):
     assert LLMEngine(model, num_blocks=8).eos_token_ids == {2}
 
 
-def test_sampling_params_validation():
-    for bad in (
-        dict(max_tokens=0),
-        dict(temperature=-1.0),
-        dict(top_k=0),
-        dict(top_p=0.0),
-        dict(top_p=1.5),
-        dict(seed=1.5),
-    ):
-        with pytest.raises(ValueError):
-            SamplingParams(**bad)
+@pytest.mark.parametrize(
+    "bad, error, message",
+    [
+        (dict(max_tokens=0), InvalidArgumentError, "max_tokens must be >= 1, got 0"),
+        (dict(max_tokens=2.0), InvalidTypeError, "max_tokens must be an int, got float"),
+        (dict(temperature=-1.0), InvalidArgumentError, "temperature"),
+        (dict(temperature=float("nan")), InvalidArgumentError, "temperature"),
+        (dict(temperature="1"), InvalidTypeError, "temperature"),
+        (dict(top_k=0), InvalidArgumentError, "top_k"),
+        (dict(top_k=True), InvalidTypeError, "top_k.*bool"),
+        (dict(top_k=2.5), InvalidTypeError, "top_k"),
+        (dict(top_p=0.0), InvalidArgumentError, r"top_p must be in \(0, 1\]"),
+        (dict(top_p=1.5), InvalidArgumentError, "top_p"),
+        (dict(seed=1.5), InvalidTypeError, "seed must be an int"),
+        (dict(seed=2**70), InvalidArgumentError, "seed must be <="),
+        (dict(stop_token_ids="12"), InvalidTypeError, "stop_token_ids must be a list.*str '12'"),
+        (dict(stop_token_ids=[1.0]), InvalidTypeError, r"stop_token_ids\[0\] must be an int"),
+        (dict(stop_token_ids=[True]), InvalidTypeError, "bool"),
+        (dict(stop_token_ids=[-1]), InvalidArgumentError, "stop_token_ids must be >= 0"),
+        (dict(stop_token_ids=5), InvalidTypeError, "stop_token_ids"),
+        (dict(ignore_eos=1), InvalidTypeError, "ignore_eos must be a bool"),
+    ],
+)
+def test_sampling_params_validation(bad, error, message):
+    with pytest.raises(error, match=message):
+        SamplingParams(**bad)
+
+
+def test_sampling_params_accept_numpy_and_torch_scalars():
+    p = SamplingParams(
+        max_tokens=np.int64(3),
+        temperature=np.float32(0.5),
+        top_k=torch.tensor(4),
+        seed=np.uint64(2**64 - 1),
+        stop_token_ids=np.array([7, 9]),
+        ignore_eos=np.bool_(True),
+    )
+    assert (p.max_tokens, p.top_k, p.seed, p.stop_token_ids, p.ignore_eos) == (3, 4, 2**64 - 1, [7, 9], True)
+    assert type(p.max_tokens) is int and type(p.stop_token_ids[0]) is int and p.temperature == 0.5
+    assert SamplingParams(stop_token_ids=torch.tensor([3])).stop_token_ids == [3]
+    assert SamplingParams(seed=-(2**63)).seed == -(2**63)  # torch's whole seed range works
+
+
+def test_tiny_temperature_is_greedy(model, prompts):
+    """1e-45 passes validation; dividing the logits by it would overflow: it counts as greedy."""
+    greedy = LLMEngine(model, block_size=4, num_blocks=64).generate(prompts[:3], GREEDY, use_tqdm=False)
+    tiny = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=1e-45)
+    assert tiny.is_greedy and not SamplingParams(temperature=1e-5).is_greedy
+    outs = LLMEngine(model, block_size=4, num_blocks=64).generate(prompts[:3], tiny, use_tqdm=False)
+    assert [o.output_token_ids for o in outs] == [o.output_token_ids for o in greedy]
+    logits = torch.tensor([1.0, 3.0, 2.0])
+    assert sample(logits, SamplingParams(temperature=1e-6), torch.Generator().manual_seed(0)) == 1
 
 
 # -----------------------------------------------------------------------------
@@ -334,59 +372,6 @@ def test_step_by_step_returns_each_request_once(model, prompts):
     assert engine.step() == []
 
 
-# -----------------------------------------------------------------------------
-# the scheduler alone: no request lost or duplicated, whatever the pool
-
-
-@given(
-    num_blocks=st.integers(4, 24),
-    block_size=st.sampled_from([1, 2, 4]),
-    policy=st.sampled_from(["paged", "static", "oracle"]),
-    requests=st.lists(st.tuples(st.integers(1, 12), st.integers(1, 12)), min_size=1, max_size=12),
-    seed=st.integers(0, 1000),
-)
-def test_scheduler_never_loses_or_duplicates(num_blocks, block_size, policy, requests, seed):
-    max_model_len = 24
-    if policy == "static" and -(-max_model_len // block_size) > num_blocks:
-        with pytest.raises(ValueError, match="static"):
-            Scheduler(num_blocks, block_size, max_model_len, policy=policy, watermark=0.0)
-        return
-    sched = Scheduler(num_blocks, block_size, max_model_len, policy=policy, watermark=0.0, max_num_seqs=5)
-    rng = random.Random(seed)
-    seqs = []
-    for i, (n_prompt, n_out) in enumerate(requests):
-        seq = Sequence(i, [1] * n_prompt, n_out, seed=0)
-        try:
-            sched.add(seq)
-            seqs.append(seq)
-        except ValueError:
-            assert -(-(n_prompt + n_out - 1) // block_size) > num_blocks or policy != "paged"
-    finished = []
-    for _ in range(2000):
-        if not sched.has_unfinished():
-            break
-        out = sched.schedule()
-        assert not out.is_empty
-        batch = [s.seq_id for s in out.seqs]
-        assert len(batch) == len(set(batch)) <= 5
-        assert len(out.slot_mapping) == len(set(out.slot_mapping))  # no two tokens share a slot
-        assert all(s.status is SequenceStatus.RUNNING for s in out.seqs)
-        assert {s.seq_id for s in sched.running} == set(batch)
-        assert not {s.seq_id for s in sched.waiting} & set(batch)
-        input_ids, positions, meta = sched.build_inputs(out)
-        assert input_ids.shape == positions.shape == (len(out.slot_mapping),)
-        for seq in out.seqs:
-            seq.output_token_ids.append(rng.randrange(100))
-            if len(seq.output_token_ids) == seq.max_tokens or rng.random() < 0.05:
-                sched.finish(seq, "length")
-                finished.append(seq.seq_id)
-    assert not sched.has_unfinished()
-    assert sorted(finished) == [s.seq_id for s in seqs]
-    assert sched.block_manager.num_free_blocks == num_blocks
-    if policy != "paged":
-        assert sched.num_preemptions == 0
-
-
 def test_emulator_backend_gives_the_same_tokens(model, prompts):
     """The decode path through the CUDA source run on the CPU (prefill stays on torch)."""
     params = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -394,3 +379,440 @@ def test_emulator_backend_gives_the_same_tokens(model, prompts):
     engine = LLMEngine(model, block_size=4, num_blocks=32, backend="emulator")
     emu_out = engine.generate(prompts[:4], params, use_tqdm=False)
     assert [o.output_token_ids for o in emu_out] == [o.output_token_ids for o in torch_out]
+
+
+# -----------------------------------------------------------------------------
+# the config
+
+
+def test_engine_config_from_keywords_config_or_both(model):
+    from vllmini import EngineConfig
+
+    cfg = EngineConfig(block_size=4, num_blocks=20, watermark=0.0, seed=3)
+    a = LLMEngine(model, cfg)
+    b = LLMEngine(model, block_size=4, num_blocks=20, watermark=0.0, seed=3)
+    c = LLMEngine(model, EngineConfig(block_size=8, num_blocks=20, seed=3), block_size=4, watermark=0.0)
+    for e in (a, b, c):  # keywords fill the config; given both, the keywords win
+        assert (e.kv_cache.block_size, e.kv_cache.num_blocks, e.scheduler.block_manager.watermark_blocks) == (
+            4,
+            20,
+            0,
+        )
+        assert e.config.max_model_len == 128 and e.config.max_num_batched_tokens == 2048  # resolved
+        assert e.seed == 3
+    assert cfg.max_model_len is None  # the caller's config is not changed
+    assert (
+        LLMEngine(
+            model, num_blocks=8, max_model_len=64, max_num_batched_tokens=100
+        ).scheduler.max_num_batched_tokens
+        == 100
+    )
+    assert EngineConfig(block_size=np.int64(8)).block_size == 8
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(block_size=0), InvalidArgumentError, "block_size must be >= 1, got 0"),
+        (dict(block_size=2.0), InvalidTypeError, "block_size must be an int"),
+        (dict(max_model_len=0), InvalidArgumentError, "max_model_len must be >= 1, got 0"),
+        (dict(max_model_len=64.5), InvalidTypeError, "max_model_len must be an int, got float 64.5"),
+        (dict(num_blocks=True), InvalidTypeError, "num_blocks must be an int, got bool"),
+        (dict(num_blocks=8, gpu_memory_utilization=0.5), InvalidArgumentError, "exactly one"),
+        (dict(gpu_memory_utilization=0.0), InvalidArgumentError, "gpu_memory_utilization"),
+        (dict(gpu_memory_utilization=1.5), InvalidArgumentError, "gpu_memory_utilization"),
+        (dict(backend="triton"), InvalidArgumentError, "backend must be one of"),
+        (dict(policy="lazy"), InvalidArgumentError, "policy must be one of"),
+        (dict(watermark=1.0), InvalidArgumentError, "watermark"),
+        (dict(max_num_seqs=0), InvalidArgumentError, "max_num_seqs"),
+        (dict(seed="0"), InvalidTypeError, "seed"),
+        (
+            dict(max_model_len=64, max_num_batched_tokens=32),
+            InvalidArgumentError,
+            "max_num_batched_tokens=32",
+        ),
+        (
+            dict(enable_prefix_caching=True),
+            InvalidArgumentError,
+            "enable_prefix_caching=True is not implemented",
+        ),
+        (dict(enable_chunked_prefill=True), InvalidArgumentError, "enable_chunked_prefill=True is not impl"),
+        (dict(use_cuda_graphs=True), InvalidArgumentError, "use_cuda_graphs=True is not implemented"),
+        (dict(use_cuda_graphs=1), InvalidTypeError, "use_cuda_graphs must be a bool"),
+        (dict(blocksize=4), InvalidTypeError, "unknown engine option.*blocksize"),
+    ],
+)
+def test_engine_config_rejects_bad_options(model, kwargs, error, message):
+    from vllmini import EngineConfig
+
+    with pytest.raises(error, match=message):
+        LLMEngine(model, **kwargs)
+    if "blocksize" not in kwargs:
+        with pytest.raises(error, match=message):
+            EngineConfig(**kwargs)
+
+
+def test_engine_config_checks_against_the_model(model):
+    from vllmini import EngineConfig
+
+    with pytest.raises(
+        InvalidArgumentError, match="max_num_batched_tokens=100 is smaller than max_model_len=128"
+    ):
+        LLMEngine(model, num_blocks=8, max_num_batched_tokens=100)  # max_model_len: the model's 128
+    with pytest.raises(InvalidTypeError, match="config must be an EngineConfig"):
+        LLMEngine(model, {"block_size": 4})
+    with pytest.raises(InvalidTypeError, match="unknown engine option"):  # before loading any weights
+        LLMEngine.from_pretrained("/nonexistent", config=EngineConfig(), blocksize=4)
+
+
+# -----------------------------------------------------------------------------
+# failures, Ctrl-C and abort: a step is all-or-nothing
+
+
+def _requests(prompts):
+    """Greedy and sampled requests (seeded and unseeded), of different lengths."""
+    out = []
+    for i, p in enumerate(prompts):
+        temp = 0.0 if i % 2 == 0 else 0.8
+        seed = i if i % 4 == 1 else None
+        out.append((p, SamplingParams(max_tokens=6 + i, temperature=temp, seed=seed, ignore_eos=True)))
+    return out
+
+
+def _run(engine, requests, errors=()):
+    """add every request, then step until done; steps that raise one of `errors` are retried."""
+    for p, sp in requests:
+        engine.add_request(p, sp)
+    outputs, failures = {}, 0
+    while engine.has_unfinished_requests():
+        try:
+            done = engine.step()
+        except errors:
+            failures += 1
+            continue
+        for o in done:
+            assert o.request_id not in outputs  # each request comes back once
+            outputs[o.request_id] = o
+    return outputs, failures
+
+
+def _small_engine(model):
+    return LLMEngine(model, block_size=4, num_blocks=12, watermark=0.0)  # small enough to preempt
+
+
+def _summary(engine, outputs):
+    return (
+        {i: (o.output_token_ids, o.finish_reason) for i, o in outputs.items()},
+        [(s.num_prefills, s.num_decodes, s.num_preemptions, s.used_blocks) for s in engine.stats],
+    )
+
+
+@pytest.fixture(scope="module")
+def clean_run(model, prompts):
+    engine = _small_engine(model)
+    outputs, _ = _run(engine, _requests(prompts))
+    assert engine.num_preemptions > 0
+    return _summary(engine, outputs)
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_failure_in_every_forward_is_rolled_back(model, prompts, clean_run, error, when):
+    """Each step's first forward raises (before it ran, or after it wrote the KV cache); step() again
+    continues. Nothing lost or doubled, and every token equals the uninterrupted run's."""
+    engine = _small_engine(model)
+    original, failed = engine.model.forward, set()
+
+    def forward(input_ids, positions, kv_cache, meta, **kwargs):
+        step = len(engine.stats)
+        if step not in failed and when == "before":
+            failed.add(step)
+            raise error("injected")
+        logits = original(input_ids, positions, kv_cache, meta, **kwargs)
+        if step not in failed:  # after its KV writes, and leaving garbage in them
+            failed.add(step)
+            for cache in kv_cache.key_caches + kv_cache.value_caches:
+                cache.view(-1, *cache.shape[2:])[meta.slot_mapping] = 100.0
+            raise error("injected")
+        return logits
+
+    engine.model.forward = forward
+    try:
+        outputs, failures = _run(engine, _requests(prompts), errors=(error,))
+    finally:
+        del engine.model.forward
+    assert failures == len(engine.stats) == engine.num_forwards
+    assert _summary(engine, outputs) == clean_run
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and len(bm) == 0
+
+
+def test_ctrl_c_while_sampling_restores_the_generators(model, prompts, clean_run, monkeypatch):
+    """A KeyboardInterrupt after some sequences already drew from their generators: rolled back too."""
+    import vllmini.engine as engine_module
+
+    engine, calls = _small_engine(model), {}
+
+    def interrupted_sample(logits, params, generator):
+        step = len(engine.stats)
+        calls[step] = calls.get(step, 0) + 1
+        token = sample(logits, params, generator)
+        if calls[step] == 2:  # the second sampled sequence of each step, once
+            raise KeyboardInterrupt
+        return token
+
+    monkeypatch.setattr(engine_module, "sample", interrupted_sample)
+    outputs, failures = _run(engine, _requests(prompts), errors=(KeyboardInterrupt,))
+    assert failures > 3
+    assert _summary(engine, outputs) == clean_run
+
+
+def test_exception_in_the_first_prefill_then_step(model, prompts):
+    """Issue: the interrupted request was left running over prompt KV that was never written."""
+    requests = [(p, SamplingParams(max_tokens=5, ignore_eos=True)) for p in prompts[:3]]
+    expected, _ = _run(LLMEngine(model, block_size=4, num_blocks=32), requests)
+    engine = LLMEngine(model, block_size=4, num_blocks=32)
+    for p, sp in requests:
+        engine.add_request(p, sp)
+    original = engine.model.forward
+    engine.model.forward = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))
+    with pytest.raises(RuntimeError, match="boom"):
+        engine.step()
+    del engine.model.forward
+    assert len(engine.scheduler.waiting) == 3 and not engine.scheduler.running  # nothing half-done
+    assert engine.scheduler.block_manager.num_free_blocks == 32 and engine.stats == []
+    assert engine.model.forward == original
+    outputs, _ = _run(engine, [])
+    assert {i: o.output_token_ids for i, o in outputs.items()} == {
+        i: o.output_token_ids for i, o in expected.items()
+    }
+
+
+def test_real_ctrl_c_in_forward_and_in_commit(model, prompts):
+    """SIGINT itself: in the forward it rolls the step back; during the commit it waits for the commit to
+    finish, then raises, and the requests that finished in that step come back from the next step()."""
+    import signal
+
+    requests = [(p, SamplingParams(max_tokens=2 + i, ignore_eos=True)) for i, p in enumerate(prompts[:3])]
+    expected, _ = _run(LLMEngine(model, block_size=4, num_blocks=32), requests)
+    engine = LLMEngine(model, block_size=4, num_blocks=32)
+    for p, sp in requests:
+        engine.add_request(p, sp)
+    original_forward, original_finish = engine.model.forward, engine.scheduler.finish
+    engine.model.forward = lambda *a, **k: signal.raise_signal(signal.SIGINT) or original_forward(*a, **k)
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    del engine.model.forward
+    assert engine.stats == [] and len(engine.scheduler.waiting) == 3
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the engine's handler is gone
+
+    def finish(seq, reason):  # Ctrl-C in the middle of retiring the first finished request
+        signal.raise_signal(signal.SIGINT)
+        original_finish(seq, reason)
+
+    outputs = {}
+    outputs.update((o.request_id, o) for o in engine.step())  # the prefill: nothing finishes
+    engine.scheduler.finish = finish
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()  # request 0 finishes (2 tokens): the commit completes, then Ctrl-C is raised
+    del engine.scheduler.finish
+    assert len(engine.stats) == 2 and [s.seq_id for s in engine.scheduler.running] == [1, 2]
+    outputs.update((o.request_id, o) for o in engine.step())  # request 0 comes back now
+    assert 0 in outputs
+    outputs.update(_run(engine, [])[0])
+    assert {i: o.output_token_ids for i, o in outputs.items()} == {
+        i: o.output_token_ids for i, o in expected.items()
+    }
+
+
+def test_a_sampling_failure_finishes_only_that_request(model, prompts, clean_run, monkeypatch):
+    import vllmini.engine as engine_module
+
+    requests = _requests(prompts)
+    bad = requests[3][1]  # a sampled request
+
+    def failing_sample(logits, params, generator):
+        if params is bad:
+            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+        return sample(logits, params, generator)
+
+    monkeypatch.setattr(engine_module, "sample", failing_sample)
+    engine = _small_engine(model)
+    outputs, failures = _run(engine, requests)
+    assert failures == 0
+    assert outputs[3].finish_reason == "error" and outputs[3].output_token_ids == []
+    assert "RuntimeError: probability tensor" in outputs[3].error
+    expected = clean_run[0]
+    for i, o in outputs.items():
+        if i != 3:  # the others go on (with a different batch, so greedy and seeded ones compare)
+            if requests[i][1].is_greedy or requests[i][1].seed is not None:
+                assert (o.output_token_ids, o.finish_reason, o.error) == (*expected[i], None)
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_abort_request(model, prompts):
+    engine = LLMEngine(model, block_size=4, num_blocks=16, watermark=0.0)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=8, ignore_eos=True)) for p in prompts]
+    engine.step()
+    engine.step()
+    running = [s.seq_id for s in engine.scheduler.running]
+    waiting = [s.seq_id for s in engine.scheduler.waiting]
+    assert running and waiting
+    partial = {
+        s.seq_id: list(s.output_token_ids) for s in [*engine.scheduler.running, *engine.scheduler.waiting]
+    }
+    free = engine.scheduler.block_manager.num_free_blocks
+    assert engine.abort_request(running[0]) and engine.abort_request(waiting[0])
+    assert not engine.abort_request(running[0])  # already aborted
+    assert not engine.abort_request(99)
+    with pytest.raises(InvalidTypeError, match="request_id"):
+        engine.abort_request("0")
+    assert engine.scheduler.block_manager.num_free_blocks > free  # its blocks came back
+    done = engine.step()
+    aborted = {o.request_id: o for o in done if o.finish_reason == "abort"}
+    assert set(aborted) == {running[0], waiting[0]}
+    for i in (running[0], waiting[0]):  # what it had generated when it was aborted
+        assert aborted[i].output_token_ids == partial[i] and aborted[i].prompt_token_ids == prompts[i]
+    assert len(partial[running[0]]) == 2
+    rest, _ = _run(engine, [])
+    assert sorted([o.request_id for o in done] + list(rest)) == ids
+    assert not engine.abort_request(ids[-1])  # finished
+    # aborting the last request: its output still comes back from step(), with nothing left to run
+    rid = engine.add_request([5, 6], SamplingParams(max_tokens=3))
+    assert engine.abort_request(rid) and engine.has_unfinished_requests()
+    with pytest.raises(EngineStateError, match="idle"):
+        engine.generate([[5]], use_tqdm=False)
+    assert [(o.request_id, o.finish_reason) for o in engine.step()] == [(rid, "abort")]
+    assert not engine.has_unfinished_requests() and engine.step() == []
+
+
+def test_generate_interrupted_aborts_its_requests_and_stays_usable(model, prompts):
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    expected = LLMEngine(model, block_size=4, num_blocks=16).generate(prompts, params, use_tqdm=False)
+    engine = LLMEngine(model, block_size=4, num_blocks=16)
+    original = engine.model.forward
+
+    def forward(*args, **kwargs):
+        if len(engine.stats) == 3:
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    engine.model.forward = forward
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(prompts, params, use_tqdm=False)
+    del engine.model.forward
+    assert not engine.has_unfinished_requests() and engine.step() == []
+    assert engine.scheduler.block_manager.num_free_blocks == 16
+    again = engine.generate(prompts, params, use_tqdm=False)
+    assert [o.output_token_ids for o in again] == [o.output_token_ids for o in expected]
+
+
+def test_no_progress_names_the_request_that_cannot_fit(model):
+    engine = LLMEngine(model, block_size=4, num_blocks=8, watermark=0.0)
+    bm = engine.scheduler.block_manager
+    bm.allocate("leak", 28)  # 7 of 8 blocks held outside the scheduler
+    rid = engine.add_request([5] * 9, SamplingParams(max_tokens=2))
+    with pytest.raises(EngineStateError, match=rf"request {rid} \(9 tokens, 3 blocks\).*1 of 8 blocks free"):
+        engine.step()
+    assert len(engine.scheduler.waiting) == 1  # nothing changed: not stuck once the blocks are back
+    bm.free("leak")
+    assert [o.request_id for o in _run(engine, [])[0].values()] == [rid]
+
+
+def test_a_victim_of_a_failed_step_is_recomputed_if_the_retry_differs(model, prompts, reference):
+    """A failed forward may write into the blocks of a sequence it preempted (here: garbage). Restored,
+    that sequence must not decode over them: when the retried step does not preempt it again (here an
+    abort made room), it is recomputed. Greedy tokens still match transformers'."""
+    engine = LLMEngine(model, block_size=4, num_blocks=16, watermark=0.0)
+    original, sched = engine.model.forward, engine.scheduler
+    for p in prompts:
+        engine.add_request(p, GREEDY)
+    outputs = {}
+    bm = sched.block_manager
+    while True:  # step up to a step whose forward writes into the blocks of a sequence it preempts
+        before = {s.seq_id: bm.block_table(s.seq_id).block_ids for s in sched.running}
+        snapshot = sched.snapshot()  # the scheduler's own undo lets us look ahead
+        out = sched.schedule()
+        sched.restore(snapshot)
+        written = {slot // bm.block_size for slot in out.slot_mapping}
+        if any(written.intersection(before[s.seq_id]) for s in out.preempted):
+            break
+        outputs.update((o.request_id, o) for o in engine.step())
+
+    def forward(input_ids, positions, kv_cache, meta, **kwargs):  # writes the KV cache, then fails
+        original(input_ids, positions, kv_cache, meta, **kwargs)
+        for cache in kv_cache.key_caches + kv_cache.value_caches:  # a failed forward may leave anything
+            cache.view(-1, *cache.shape[2:])[meta.slot_mapping] = 100.0
+        raise RuntimeError("after the KV writes")
+
+    engine.model.forward = forward
+    with pytest.raises(RuntimeError):
+        engine.step()
+    del engine.model.forward
+    oldest = engine.scheduler.running[0].seq_id
+    assert engine.abort_request(oldest)
+    outputs.update(_run(engine, [])[0])
+    del outputs[oldest]
+    assert_same_greedy(
+        [outputs[i] for i in sorted(outputs)], [r for i, r in enumerate(reference) if i != oldest]
+    )
+
+
+# -----------------------------------------------------------------------------
+# what counts as a prompt
+
+
+def test_prompts_as_tensors_arrays_and_numpy_ints(model):
+    engine = LLMEngine(model, block_size=4, num_blocks=32)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    run = lambda prompts: [o.output_token_ids for o in engine.generate(prompts, params, use_tqdm=False)]  # noqa: E731
+    want = run([[5, 6, 7]])
+    assert run(torch.tensor([5, 6, 7])) == want  # a 1-D int tensor is one prompt
+    assert run(np.array([5, 6, 7])) == want
+    assert run([np.int64(5), np.int64(6), np.int64(7)]) == want
+    assert run((5, 6, 7)) == want
+    assert run([torch.tensor([5, 6, 7]), np.array([5, 6, 7], dtype=np.int32)]) == want * 2
+    assert run(torch.tensor([[5, 6, 7], [5, 6, 7]])) == want * 2  # 2-D: one prompt per row
+    engine.add_request(np.array([5, 6, 7]), params)
+    assert [o.output_token_ids for o in _run(engine, [])[0].values()] == want
+    assert engine.generate([], use_tqdm=False) == []
+
+
+@pytest.mark.parametrize(
+    "prompts, params, error, message",
+    [
+        (b"w5 w6", None, InvalidTypeError, "got bytes b'w5 w6': decode it first"),
+        ([5.7, 3.2], None, InvalidTypeError, r"prompt\[0\] must be an int, got float 5.7"),
+        ([[5, 6.0]], None, InvalidTypeError, r"prompt\[1\] must be an int, got float"),
+        ([True, 5], None, InvalidTypeError, "bool"),
+        (torch.tensor([5.0, 6.0]), None, InvalidTypeError, "1-D integer tensor or array, got torch.float32"),
+        (torch.tensor([True]), None, InvalidTypeError, "torch.bool"),
+        (np.zeros((1, 1, 2), dtype=np.int64), None, InvalidTypeError, r"shape \(1, 1, 2\)"),
+        (5, None, InvalidTypeError, "prompts must be a str, a list of token ids"),
+        ({5, 6}, None, InvalidTypeError, "prompts must be"),
+        (
+            [[5]],
+            {"max_tokens": 2},
+            InvalidTypeError,
+            r"params must be a SamplingParams, got dict.*SamplingParams\(\*\*params\)",
+        ),
+        ([[5]], [SamplingParams(), SamplingParams()], InvalidArgumentError, "2 SamplingParams for 1 prompts"),
+        ([[5, 128]], None, InvalidArgumentError, r"\[0, 128\)"),
+        ([[]], None, InvalidArgumentError, "empty"),
+    ],
+)
+def test_bad_prompts_are_refused_clearly(model, prompts, params, error, message):
+    engine = LLMEngine(model, block_size=4, num_blocks=32)
+    with pytest.raises(error, match=message):
+        engine.generate(prompts, params, use_tqdm=False)
+    assert not engine.has_unfinished_requests() and engine._next_id == 0
+
+
+def test_generate_tokenizes_each_prompt_once(model, monkeypatch):
+    engine = LLMEngine(model, block_size=4, num_blocks=32)
+    calls = []
+    original = engine._encode
+    monkeypatch.setattr(engine, "_encode", lambda p: calls.append(p) or original(p))
+    engine.generate([[5, 6], [7]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert calls == [[5, 6], [7]]

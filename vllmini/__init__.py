@@ -35,6 +35,7 @@ _EXPORTS = {
     "Sequence": "scheduler",
     "Scheduler": "scheduler",
     "SamplingParams": "engine",
+    "EngineConfig": "engine",
     "RequestOutput": "engine",
     "LLMEngine": "engine",
 }

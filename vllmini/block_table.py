@@ -12,11 +12,14 @@ paged attention reads (vLLM's names; older vLLM called `seq_lens` `context_lens`
 
 Forked sequences share blocks (reference counts). Writing into a shared, partly filled last block
 would clobber the other owner's tokens, so `append_tokens` first gives the sequence a private copy
-(copy-on-write) and records (src_block, dst_block) in `pending_copies` for the KV-cache owner.
+(copy-on-write) and records (src_block, dst_block) in `pending_copies` for the KV-cache owner. A pending
+copy follows its blocks' lifetimes: freeing the sequence that owns dst drops it, and `BlockManager.free`
+keeps a src block out of the pool (pinned) until `take_pending_copies()` hands the copy out.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Hashable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -147,6 +150,7 @@ class BlockManager:
         # new sequences must leave this many blocks free, so running sequences can still grow
         self.watermark_blocks = as_int(watermark_blocks, "watermark_blocks", min=0, max=self.num_blocks - 1)
         self._tables: dict[Hashable, BlockTable] = {}
+        self._pinned: set[int] = set()  # freed blocks kept alive as the source of a pending copy
 
     @property
     def num_blocks(self) -> int:
@@ -218,17 +222,54 @@ class BlockManager:
         self._tables[child_id] = parent.fork()
 
     def free(self, seq_id) -> None:
-        """Finish `seq_id`: its blocks go back to the pool (shared ones once their last owner leaves)."""
-        self.block_table(seq_id).free()
+        """Finish `seq_id`: its blocks go back to the pool (shared ones once their last owner leaves).
+
+        A block that another sequence still has to copy from (a pending copy-on-write) stays pinned
+        until `take_pending_copies()`, so no new owner can overwrite it before the copy is made."""
+        table = self.block_table(seq_id)
         del self._tables[seq_id]
+        needed = {src for t in self._tables.values() for src, _ in t.pending_copies}
+        for block_id in needed.intersection(table.block_ids) - self._pinned:
+            self.allocator.incref(block_id)
+            self._pinned.add(block_id)
+        table.free()  # drops its own pending copies too: their destination blocks are gone
+        for block_id in self._pinned - needed:  # sources nobody has to copy from any more
+            self._pinned.discard(block_id)
+            self.allocator.free(block_id)
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
-        """Collect and clear every sequence's copy-on-write jobs, as (src_block, dst_block) pairs."""
+        """Collect and clear every sequence's copy-on-write jobs, as (src_block, dst_block) pairs.
+
+        Copy them before allocating again: sources pinned for them go back to the pool now."""
         pairs = []
         for table in self._tables.values():
             pairs.extend(table.pending_copies)
             table.pending_copies = []
+        for block_id in sorted(self._pinned):
+            self.allocator.free(block_id)
+        self._pinned.clear()
         return pairs
+
+    # ----------------------------------------------------------------------------------------------
+    # undo
+
+    def snapshot(self) -> tuple:
+        """The whole state (allocator, tables, pins), for `restore`: undoes a batch of changes that
+        failed halfway, e.g. a scheduler step whose forward raised. Costs O(num_blocks)."""
+        allocator = {k: copy.copy(v) for k, v in vars(self.allocator).items()}  # free list, ref counts
+        tables = {s: (t, t.block_ids, t.num_tokens, list(t.pending_copies)) for s, t in self._tables.items()}
+        return allocator, tables, set(self._pinned)
+
+    def restore(self, snapshot: tuple) -> None:
+        """Put back the state `snapshot()` saved (the same table objects); the snapshot stays reusable."""
+        allocator, tables, pinned = snapshot
+        vars(self.allocator).update({k: copy.copy(v) for k, v in allocator.items()})
+        self._tables = {}
+        for seq_id, (table, block_ids, num_tokens, pending) in tables.items():
+            table._block_ids, table._num_tokens = list(block_ids), num_tokens
+            table.pending_copies = list(pending)
+            self._tables[seq_id] = table
+        self._pinned = set(pinned)
 
     # ----------------------------------------------------------------------------------------------
     # what attention reads

@@ -8,28 +8,69 @@ admitted while blocks allow), runs ONE forward of the model over all of it, samp
 sequence from that sequence's own seeded generator, and retires the finished ones. `stats` keeps one
 `StepStats` per step: batch size, blocks used and free, slots holding tokens vs slots allocated,
 preemptions, tokens generated.
+
+A step is all-or-nothing. An exception or Ctrl-C before the step commits (in scheduling, the forward or
+sampling) rolls it back: allocations, appends and preemptions undone, random generators restored, so the
+next `step()` does the same work again and the outputs equal an uninterrupted run. Ctrl-C during the
+commit (appending tokens, finishing requests) waits until the commit is done. A request whose sampling
+fails finishes alone with finish_reason "error"; `abort_request` stops one request.
 """
 
 from __future__ import annotations
 
 import random
+import signal
+import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
+import numpy as np
 import torch
 
-from vllmini.errors import VllminiError
+from vllmini.attention import BACKENDS
+from vllmini.checks import as_float, as_int, cdiv, one_of
+from vllmini.errors import EngineStateError, InvalidArgumentError, InvalidTypeError
 from vllmini.kv_cache import PagedKVCache
 from vllmini.model import LlamaModel
-from vllmini.scheduler import POLICIES, Scheduler, Sequence
+from vllmini.scheduler import Scheduler, Sequence, check_policy
 
-BACKENDS = ("auto", "torch", "cupy", "emulator")
+GREEDY_BELOW = 1e-5  # temperatures below this count as 0 (greedy): dividing by them overflows (as vLLM)
+
+
+def _as_bool(value, name: str) -> bool:
+    """`value` if it is a bool (numpy's too); ints and strings are refused."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise InvalidTypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+def _as_token_ids(values, name: str) -> list[int]:
+    """A list of token ids from a list/tuple/range of ints or a 1-D integer tensor or array."""
+    if isinstance(values, (torch.Tensor, np.ndarray)):
+        if isinstance(values, torch.Tensor):
+            is_int = not (
+                values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool
+            )
+        else:
+            is_int = np.issubdtype(values.dtype, np.integer)  # bool is not
+        if values.ndim != 1 or not is_int:
+            raise InvalidTypeError(
+                f"{name} must be a 1-D integer tensor or array, got {values.dtype} of shape "
+                f"{tuple(values.shape)}"
+            )
+        values = values.tolist()
+    elif not isinstance(values, (list, tuple, range)):
+        raise InvalidTypeError(
+            f"{name} must be a list of int token ids, got {type(values).__name__} {values!r}"
+        )
+    return [as_int(v, f"{name}[{i}]") for i, v in enumerate(values)]
 
 
 @dataclass
 class SamplingParams:
     """How to pick each next token. temperature 0 = greedy; top_k None = off; top_p 1.0 = off.
 
+    A temperature below 1e-5 also means greedy (dividing the logits by it would overflow).
     seed None: the engine derives one from its own seed and the request number, so runs repeat.
     The request stops at max_tokens ("length"), or at an id of stop_token_ids or the model's EOS
     ("stop"; the stop token is kept in output_token_ids). ignore_eos=True generates past EOS.
@@ -44,28 +85,36 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
-            raise ValueError(f"top_k must be None (off) or an int >= 1, got {self.top_k!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be None or an int, got {self.seed!r}")
-        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        self.max_tokens = as_int(self.max_tokens, "max_tokens", min=1)
+        self.temperature = as_float(self.temperature, "temperature (0 = greedy)", min=0.0)
+        if self.top_k is not None:
+            self.top_k = as_int(self.top_k, "top_k (None = off)", min=1)
+        self.top_p = as_float(self.top_p, "top_p", max=1.0)
+        if not self.top_p > 0.0:
+            raise InvalidArgumentError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None:  # the range torch.Generator.manual_seed takes
+            self.seed = as_int(self.seed, "seed", min=-(2**63), max=2**64 - 1)
+        self.stop_token_ids = _as_token_ids(self.stop_token_ids, "stop_token_ids")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise InvalidArgumentError(f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
+        self.ignore_eos = _as_bool(self.ignore_eos, "ignore_eos")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass
 class RequestOutput:
-    """A finished request. text is None without a tokenizer; finish_reason "length" or "stop"."""
+    """A finished request. text is None without a tokenizer. finish_reason: "length", "stop", "abort"
+    (abort_request), or "error" (its sampling failed; `error` says how)."""
 
     request_id: int
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     text: str | None
     finish_reason: str
+    error: str | None = None
 
 
 @dataclass
@@ -102,9 +151,105 @@ class StepStats:
         return self.num_tokens / self.pool_slots
 
 
+@dataclass
+class EngineConfig:
+    """Every engine option, checked once, in one place (as nano-vllm's `Config`).
+
+    block_size:             tokens per KV block.
+    num_blocks, kv_cache_memory, gpu_memory_utilization: what sizes the KV pool (at most one of them):
+                            a block count, a byte budget, or a share of free GPU memory. None of them:
+                            0.9 of free memory on a GPU; on a CPU room for 8 sequences of max_model_len
+                            (at most 1 GiB).
+    max_model_len:          the longest prompt + output a request may have; None = the model's
+                            max_position_embeddings.
+    backend:                decode attention: "auto", "torch", "cupy" or "emulator" (vllmini.attention).
+    policy:                 "paged", "static" or "oracle" (vllmini.scheduler).
+    watermark:              share of the pool new requests must leave free, so running ones can grow.
+    max_num_seqs:           the most sequences in one batch.
+    max_num_batched_tokens: the most tokens in one forward; None = max(max_model_len, 2048). Must be
+                            >= max_model_len: a prompt is prefilled in one forward.
+    seed:                   derives the seed of every request that has none.
+    enable_prefix_caching:  share the KV blocks of a common prompt prefix between requests.
+    enable_chunked_prefill: split long prompts over several steps, mixed with decodes.
+    use_cuda_graphs:        capture decode steps as CUDA graphs.
+    The last three are not implemented yet: True raises InvalidArgumentError.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float | None = None
+    max_model_len: int | None = None
+    backend: str = "auto"
+    policy: str = "paged"
+    watermark: float = 0.01
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    seed: int = 0
+    enable_prefix_caching: bool = False
+    enable_chunked_prefill: bool = False
+    use_cuda_graphs: bool = False
+
+    def __post_init__(self):
+        self.block_size = as_int(self.block_size, "block_size", min=1)
+        for name in ("num_blocks", "kv_cache_memory", "max_model_len", "max_num_batched_tokens"):
+            if getattr(self, name) is not None:
+                setattr(self, name, as_int(getattr(self, name), name, min=1))
+        if self.gpu_memory_utilization is not None:
+            u = as_float(self.gpu_memory_utilization, "gpu_memory_utilization", max=1.0)
+            if not u > 0.0:
+                raise InvalidArgumentError(f"gpu_memory_utilization must be in (0, 1], got {u}")
+            self.gpu_memory_utilization = u
+        sizes = [
+            n
+            for n in ("num_blocks", "kv_cache_memory", "gpu_memory_utilization")
+            if getattr(self, n) is not None
+        ]
+        if len(sizes) > 1:
+            raise InvalidArgumentError(
+                f"num_blocks, kv_cache_memory and gpu_memory_utilization each size the KV cache: give "
+                f"exactly one of them (or none for the default), got {sizes}"
+            )
+        one_of(self.backend, "backend", BACKENDS)
+        check_policy(self.policy)
+        self.watermark = as_float(self.watermark, "watermark", min=0.0)
+        if not self.watermark < 1.0:
+            raise InvalidArgumentError(
+                f"watermark must be a fraction of the pool in [0, 1), got {self.watermark}"
+            )
+        self.max_num_seqs = as_int(self.max_num_seqs, "max_num_seqs", min=1)
+        self.seed = as_int(self.seed, "seed")
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "use_cuda_graphs"):
+            if _as_bool(getattr(self, name), name):
+                raise InvalidArgumentError(f"{name}=True is not implemented yet")
+        if self.max_model_len is not None:
+            self.check_batched_tokens(self.max_model_len)
+
+    def check_batched_tokens(self, max_model_len: int) -> None:
+        """max_num_batched_tokens must hold a whole prompt of max_model_len (no chunked prefill)."""
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < max_model_len:
+            raise InvalidArgumentError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than max_model_len="
+                f"{max_model_len}: a whole prompt must fit in one forward (no chunked prefill yet)"
+            )
+
+
+def _make_config(config: EngineConfig | None, kwargs: dict) -> EngineConfig:
+    """`config` (default EngineConfig()) with `kwargs` replacing its fields; checked."""
+    if config is None:
+        config = EngineConfig()
+    elif not isinstance(config, EngineConfig):
+        raise InvalidTypeError(f"config must be an EngineConfig or None, got {type(config).__name__}")
+    names = {f.name for f in fields(EngineConfig)}
+    unknown = sorted(set(kwargs) - names)
+    if unknown:
+        raise InvalidTypeError(f"unknown engine option(s) {unknown}; EngineConfig has {sorted(names)}")
+    return replace(config, **kwargs)  # runs __post_init__: every field checked again
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     """One token id from logits (vocab,) under `params`, drawing only from `generator`."""
-    if params.temperature == 0.0:
+    if params.is_greedy:
         return int(logits.argmax())
     logits = logits.float() / params.temperature  # (V,)
     if params.top_k is not None and params.top_k < logits.numel():
@@ -120,71 +265,77 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-class LLMEngine:
-    """Continuous batching over a paged KV cache (policy "paged"), or a static baseline."""
+class _DeferSigint:
+    """Within `with`: Ctrl-C raises KeyboardInterrupt as usual until `hold()`; after that it is only
+    recorded in `.interrupted`, for the caller to act on once the critical part is done."""
 
-    def __init__(
-        self,
-        model,
-        *,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        kv_cache_memory: int | None = None,
-        gpu_memory_utilization: float | None = None,
-        max_model_len: int | None = None,
-        backend: str = "auto",
-        policy: str = "paged",
-        watermark: float = 0.01,
-        max_num_seqs: int = 256,
-        seed: int = 0,
-    ):
+    def __init__(self, hold: bool = False):
+        self.holding, self.interrupted = hold, False
+        self._previous = None
+
+    def hold(self) -> None:
+        self.holding = True
+
+    def _handler(self, signum, frame):
+        if self.holding:
+            self.interrupted = True
+        elif self._previous is signal.SIG_IGN:
+            return
+        else:
+            self.holding = True  # a second Ctrl-C must not interrupt the rollback of the first
+            if callable(self._previous):
+                self._previous(signum, frame)  # Python's default handler raises KeyboardInterrupt
+            else:
+                raise KeyboardInterrupt
+
+    def __enter__(self) -> _DeferSigint:
+        if threading.current_thread() is threading.main_thread():  # only it receives signals
+            previous = signal.signal(signal.SIGINT, self._handler)
+            self._previous = signal.SIG_DFL if previous is None else previous  # None: set outside Python
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+class LLMEngine:
+    """Continuous batching over a paged KV cache (policy "paged"), or a static baseline.
+
+    LLMEngine(model, config=None, **kwargs): the options are EngineConfig's fields, given as a config,
+    as keyword arguments, or both (keywords win)."""
+
+    def __init__(self, model, config: EngineConfig | None = None, **kwargs):
+        config = _make_config(config, kwargs)
         if not isinstance(model, LlamaModel):
             model = LlamaModel.from_pretrained(model)  # e.g. a transformers LlamaForCausalLM
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-        cfg = model.config
-        max_model_len = max_model_len or cfg.max_position_embeddings
-        if max_model_len > cfg.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
-                f"{cfg.max_position_embeddings}"
+        max_pos = model.config.max_position_embeddings
+        max_model_len = max_pos if config.max_model_len is None else config.max_model_len
+        if max_model_len > max_pos:
+            raise InvalidArgumentError(
+                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={max_pos}"
             )
-        self.model, self.policy, self.max_model_len = model, policy, max_model_len
-        self.device, self.seed = model.device, seed
-        if num_blocks is None and kv_cache_memory is None and gpu_memory_utilization is None:
-            if self.device.type == "cuda":
-                gpu_memory_utilization = 0.9
-            else:  # CPU: room for 8 sequences of max_model_len, at most 1 GiB
-                per_block = PagedKVCache.bytes_per_block(
-                    cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size, model.dtype
-                )
-                num_blocks = max(1, min(8 * -(-max_model_len // block_size), 2**30 // per_block))
-        self.kv_cache = PagedKVCache(
-            cfg.num_hidden_layers,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-            block_size,
-            num_blocks=num_blocks,
-            memory_bytes=kv_cache_memory,
-            gpu_memory_utilization=gpu_memory_utilization,
-            dtype=model.dtype,
-            device=self.device,
-        )
+        config.check_batched_tokens(max_model_len)
+        batched = config.max_num_batched_tokens or max(max_model_len, 2048)
+        self.config = replace(config, max_model_len=max_model_len, max_num_batched_tokens=batched)
+        self.model, self.policy, self.max_model_len = model, config.policy, max_model_len
+        self.device, self.seed = model.device, config.seed
+        self.kv_cache = self._make_kv_cache()
         self.scheduler = Scheduler(
             self.kv_cache.num_blocks,
-            block_size,
+            config.block_size,
             max_model_len,
-            policy=policy,
-            watermark=watermark,
-            max_num_seqs=max_num_seqs,
+            policy=config.policy,
+            watermark=config.watermark,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=batched,
         )
-        self.backend = self._resolve_backend(backend)  # "torch", "cupy" or "emulator"
+        self.backend = self._resolve_backend(config.backend)  # "torch", "cupy" or "emulator"
         self.tokenizer, self.eos_token_ids = model.tokenizer, set(model.eos_token_ids)
         self.stats: list[StepStats] = []
-        self.num_forwards = 0
+        self.num_forwards = 0  # forwards of committed steps (one per step)
         self._next_id = 0
+        self._ready: list[RequestOutput] = []  # finished but not yet returned by step()
 
     @classmethod
     def from_pretrained(
@@ -193,10 +344,39 @@ class LLMEngine:
         *,
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
+        config: EngineConfig | None = None,
         **engine_kwargs,
     ) -> LLMEngine:
         """Load a Llama checkpoint directory (or transformers model) and build an engine on it."""
-        return cls(LlamaModel.from_pretrained(path_or_model, dtype=dtype, device=device), **engine_kwargs)
+        config = _make_config(config, engine_kwargs)  # bad options fail before the weights load
+        return cls(LlamaModel.from_pretrained(path_or_model, dtype=dtype, device=device), config)
+
+    def _make_kv_cache(self) -> PagedKVCache:
+        c, cfg = self.config, self.model.config
+        num_blocks, memory, util = c.num_blocks, c.kv_cache_memory, c.gpu_memory_utilization
+        if num_blocks is None and memory is None and util is None:
+            if self.device.type == "cuda":
+                util = 0.9
+            else:  # CPU: room for 8 sequences of max_model_len, at most 1 GiB
+                per_block = PagedKVCache.bytes_per_block(
+                    cfg.num_hidden_layers,
+                    cfg.num_key_value_heads,
+                    cfg.head_dim,
+                    c.block_size,
+                    self.model.dtype,
+                )
+                num_blocks = max(1, min(8 * cdiv(self.max_model_len, c.block_size), 2**30 // per_block))
+        return PagedKVCache(
+            cfg.num_hidden_layers,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            c.block_size,
+            num_blocks=num_blocks,
+            memory_bytes=memory,
+            gpu_memory_utilization=util,
+            dtype=self.model.dtype,
+            device=self.device,
+        )
 
     def _resolve_backend(self, backend: str) -> str:
         """The decode backend to use. An explicit one that cannot run this dtype/device fails now, not at
@@ -215,7 +395,7 @@ class LLMEngine:
         except Exception as e:
             if backend == "auto":
                 return "torch"
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"backend {backend!r} cannot run this model ({self.model.dtype} on {self.device}): {e}"
             ) from e
         return concrete
@@ -224,40 +404,62 @@ class LLMEngine:
     # requests
 
     def _encode(self, prompt) -> list[int]:
+        """Token ids of one prompt: a str (needs a tokenizer), or ids as a list or a 1-D int tensor/array."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise TypeError(
-                    "string prompts need a tokenizer (tokenizer.json in the checkpoint); "
-                    "pass token ids instead"
+                raise InvalidTypeError(
+                    "string prompts need a tokenizer (tokenizer.json in the checkpoint); pass token ids"
                 )
-            return self.tokenizer.encode(prompt).ids
-        ids = [int(t) for t in prompt]
+            ids = self.tokenizer.encode(prompt).ids
+        elif isinstance(prompt, (bytes, bytearray)):
+            raise InvalidTypeError(
+                f"a prompt must be a str or token ids, got bytes {prompt[:20]!r}: decode it first"
+            )
+        else:
+            ids = _as_token_ids(prompt, "prompt")
+        if not ids:
+            raise InvalidArgumentError("the prompt is empty: it needs at least one token")
         vocab = self.model.config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+            raise InvalidArgumentError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
         return ids
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
-        """Queue a request; returns its id. ValueError if it could never run (too long for
-        max_model_len, or for the whole KV pool)."""
-        params = params or SamplingParams()
+    def _new_sequence(self, prompt, params: SamplingParams | None, rid: int) -> Sequence:
+        """A checked, tokenized request that fits the engine; nothing is queued yet."""
+        params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+            raise InvalidTypeError(
+                f"params must be a SamplingParams, got {type(params).__name__} {params!r}"
+                + (": use SamplingParams(**params)" if isinstance(params, dict) else "")
+            )
         ids = self._encode(prompt)
-        if not ids:
-            raise ValueError("the prompt is empty: it needs at least one token")
-        rid = self._next_id
         # no seed given: derive one from the engine's seed and the request number (string seeds are hashed
         # with SHA-512, so nearby numbers give unrelated streams)
         seed = params.seed if params.seed is not None else random.Random(f"{self.seed}:{rid}").getrandbits(63)
         seq = Sequence(rid, ids, params.max_tokens, seed=seed, device=self.device, sampling_params=params)
-        self.scheduler.add(seq)  # raises before anything changed when it cannot fit
+        self.scheduler.check_fits(seq)
+        return seq
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
+        """Queue a request; returns its id. InvalidArgumentError (a ValueError) if it could never run
+        (too long for max_model_len, or for the whole KV pool)."""
+        seq = self._new_sequence(prompt, params, self._next_id)
+        self.scheduler.add(seq)
         self._next_id += 1
-        return rid
+        return seq.seq_id
+
+    def abort_request(self, request_id: int) -> bool:
+        """Stop an unfinished request and free its blocks; its partial output comes back from the next
+        `step()` with finish_reason "abort". False if no unfinished request has this id."""
+        seq = self.scheduler.abort(as_int(request_id, "request_id"))
+        if seq is not None:
+            self._ready.append(self._output(seq))
+        return seq is not None
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests still queued or running, or finished ones that `step()` has not returned yet."""
+        return self.scheduler.has_unfinished() or bool(self._ready)
 
     @property
     def num_preemptions(self) -> int:
@@ -266,96 +468,172 @@ class LLMEngine:
     # -------------------------------------------------------------------------
     # one step
 
-    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward over the whole batch, sample; returns requests that finished."""
-        sched = self.scheduler
+        """Schedule, run one forward over the whole batch, sample; returns requests that finished
+        (and those aborted since the last step). All-or-nothing: see the module docstring."""
         t0 = time.perf_counter()
-        before = sched.num_preemptions
-        out = sched.schedule()
-        usage = sched.usage()
-        if out.is_empty:
-            if sched.has_unfinished():  # cannot happen: add_request only queues what fits alone
-                raise VllminiError(f"no sequence could be scheduled with {len(sched.waiting)} waiting")
-            return []
-        input_ids, positions, meta = sched.build_inputs(out, device=self.device)
+        sched = self.scheduler
+        with _DeferSigint() as sigint:
+            snapshot, before, out, saved = sched.snapshot(), sched.num_preemptions, None, []
+            try:
+                out = sched.schedule()
+                usage = sched.usage()  # the KV memory during this step's forward
+                if out.is_empty and sched.has_unfinished():
+                    raise self._no_progress_error()
+                tokens = self._forward_and_sample(out, saved) if not out.is_empty else []
+                sigint.hold()
+            except BaseException:
+                sigint.hold()
+                sched.restore(snapshot, stale=out.preempted if out is not None else ())
+                for seq, state in saved:
+                    seq.generator.set_state(state)
+                raise
+            if not out.is_empty:
+                self._commit(out, tokens, usage, sched.num_preemptions - before, t0)
+        if sigint.interrupted:  # Ctrl-C during the commit: the results wait for the next step()
+            raise KeyboardInterrupt
+        ready, self._ready = self._ready, []
+        return ready
+
+    def _no_progress_error(self) -> EngineStateError:
+        head = self.scheduler.waiting[0].seq_id
+        return EngineStateError(
+            f"no progress: {self.scheduler.stall_message()}; abort_request({head}) removes it"
+        )
+
+    @torch.inference_mode()
+    def _forward_and_sample(self, out, saved: list) -> list[int | Exception]:
+        """The batch's forward, then one token per sequence (or the exception its sampling raised).
+        Appends (sequence, generator state) to `saved` before a generator is used."""
+        input_ids, positions, meta = self.scheduler.build_inputs(out, device=self.device)
         logits = self.model(input_ids, positions, self.kv_cache, meta, backend=self.backend)  # (S, V)
-        self.num_forwards += 1
         greedy = logits.argmax(-1).tolist()  # one host sync for all greedy rows
-        finished = []
+        tokens: list[int | Exception] = []
         for i, seq in enumerate(out.seqs):
-            p = seq.sampling_params
-            token = greedy[i] if p.temperature == 0.0 else sample(logits[i], p, seq.generator)
-            seq.output_token_ids.append(token)
-            if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-                reason = "stop"
-            elif len(seq.output_token_ids) >= seq.max_tokens:
-                reason = "length"
-            else:
+            if seq.sampling_params.is_greedy:
+                tokens.append(greedy[i])
                 continue
+            saved.append((seq, seq.generator.get_state()))
+            try:
+                tokens.append(sample(logits[i], seq.sampling_params, seq.generator))
+            except Exception as e:  # this request fails alone; Ctrl-C rolls the whole step back
+                tokens.append(e)
+        return tokens
+
+    def _commit(self, out, tokens: list, usage: dict, num_preemptions: int, t0: float) -> None:
+        """Append each sequence's token and retire the finished ones (Ctrl-C is held meanwhile)."""
+        sched, finished = self.scheduler, 0
+        for seq, token in zip(out.seqs, tokens, strict=True):
+            p = seq.sampling_params
+            error = None
+            if isinstance(token, Exception):
+                reason, error = "error", f"sampling failed: {type(token).__name__}: {token}"
+            else:
+                seq.output_token_ids.append(token)
+                if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+                    reason = "stop"
+                elif len(seq.output_token_ids) >= seq.max_tokens:
+                    reason = "length"
+                else:
+                    continue
             sched.finish(seq, reason)
-            finished.append(self._output(seq))
+            self._ready.append(self._output(seq, error))
+            finished += 1
+        self.num_forwards += 1
         self.stats.append(
             StepStats(
                 step=len(self.stats),
                 num_prefills=len(out.prefills),
                 num_decodes=len(out.decodes),
                 num_waiting=len(sched.waiting),
-                num_preemptions=sched.num_preemptions - before,
-                num_generated=len(out.seqs),
-                num_finished=len(finished),
+                num_preemptions=num_preemptions,
+                num_generated=sum(not isinstance(t, Exception) for t in tokens),
+                num_finished=finished,
                 seconds=time.perf_counter() - t0,
                 **usage,
             )
         )
-        return finished
 
-    def _output(self, seq: Sequence) -> RequestOutput:
+    def _output(self, seq: Sequence, error: str | None = None) -> RequestOutput:
         text = None
         if self.tokenizer is not None:
             text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
         return RequestOutput(
-            seq.seq_id, list(seq.prompt_token_ids), list(seq.output_token_ids), text, seq.finish_reason
+            seq.seq_id, list(seq.prompt_token_ids), list(seq.output_token_ids), text, seq.finish_reason, error
         )
+
+    # -------------------------------------------------------------------------
+    # the whole run
+
+    def _prompt_list(self, prompts) -> list:
+        """`prompts` as a list of prompts: one str, one list of ids or one 1-D tensor/array is one prompt."""
+        if isinstance(prompts, (str, bytes, bytearray)):
+            return [prompts]
+        if isinstance(prompts, (torch.Tensor, np.ndarray)):
+            if prompts.ndim == 2:  # one prompt per row
+                return list(prompts)
+            return [prompts]  # 1-D: one prompt; anything else fails in _encode with its shape
+        if not isinstance(prompts, (list, tuple)):
+            raise InvalidTypeError(
+                f"prompts must be a str, a list of token ids, or a list of such prompts; got "
+                f"{type(prompts).__name__} {prompts!r}"
+            )
+        # a list of ids (or of other scalars, refused later with their position) is one prompt
+        prompt_like = (str, bytes, bytearray, list, tuple, range, torch.Tensor, np.ndarray)
+        one = bool(prompts) and not isinstance(prompts[0], prompt_like)
+        return [prompts] if one else list(prompts)
 
     def generate(
         self,
-        prompts: list,
+        prompts,
         params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Run `prompts` (token-id lists, or strings with a tokenizer) to completion, in prompt order.
-
-        All requests are validated before any is queued."""
+        """Run `prompts` (strings with a tokenizer, token-id lists, 1-D int tensors or arrays; or one of
+        these alone) to completion, in prompt order. All requests are checked before any is queued; if
+        the run is interrupted (Ctrl-C) or fails, its requests are aborted and the engine stays usable."""
         if self.has_unfinished_requests():
-            raise VllminiError(
-                "generate() needs an idle engine; finish the requests already added with step()"
+            raise EngineStateError(
+                "generate() needs an idle engine; finish the requests already added with step() "
+                "(or abort_request() them)"
             )
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # one prompt
-        params = params if params is not None else SamplingParams()
-        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        for prompt, p in zip(prompts, params, strict=True):  # dry run: reject before queueing anything
-            ids = self._encode(prompt)
-            if not ids:
-                raise ValueError("the prompt is empty: it needs at least one token")
-            self.scheduler.check_fits(Sequence(-1, ids, p.max_tokens, seed=0, sampling_params=p))
-        ids = [self.add_request(prompt, p) for prompt, p in zip(prompts, params, strict=True)]
+        prompts = self._prompt_list(prompts)
+        params = SamplingParams() if params is None else params
+        if isinstance(params, (list, tuple)):
+            if len(params) != len(prompts):
+                raise InvalidArgumentError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        else:
+            params = [params] * len(prompts)
+        pairs = enumerate(zip(prompts, params, strict=True))
+        seqs = [self._new_sequence(x, p, self._next_id + i) for i, (x, p) in pairs]
+        for seq in seqs:  # every one was checked: none of these can fail
+            self.scheduler.add(seq)
+        self._next_id += len(seqs)
+        ids = [seq.seq_id for seq in seqs]
+        try:
+            results = self._run_until_done(set(ids), use_tqdm)
+        except BaseException:  # Ctrl-C or a failed step: drop this run's requests, keep the engine usable
+            with _DeferSigint(hold=True):  # a second Ctrl-C must not stop the cleanup halfway
+                for i in ids:
+                    self.abort_request(i)
+                self._ready = [o for o in self._ready if o.request_id not in set(ids)]
+            raise
+        return [results[i] for i in ids]
+
+    def _run_until_done(self, wanted: set, use_tqdm: bool) -> dict[int, RequestOutput]:
         results: dict[int, RequestOutput] = {}
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(ids), desc="requests", unit="req")
-        wanted = set(ids)
-        while wanted - results.keys():
-            done = self.step()
-            for o in done:
-                results[o.request_id] = o
+            bar = tqdm(total=len(wanted), desc="requests", unit="req")
+        try:
+            while wanted - results.keys():
+                done = self.step()
+                results.update((o.request_id, o) for o in done)
+                if bar is not None:
+                    bar.update(sum(o.request_id in wanted for o in done))
+        finally:
             if bar is not None:
-                bar.update(sum(o.request_id in wanted for o in done))
-        if bar is not None:
-            bar.close()
-        return [results[i] for i in ids]
+                bar.close()
+        return results
