@@ -444,3 +444,40 @@ class PageTableExplorer:
 
     def _ipython_display_(self) -> None:
         self.display()
+
+
+# ---- serving pictures (latency vs rate)
+
+POLICY_COLORS = {"static": "C3", "oracle": "C1", "paged": "C2"}
+
+
+def plot_latency_vs_rate(points, *, factor: float = 5.0, ax: Axes | None = None, title: str | None = None):
+    """Mean normalized latency (ms/token) against request rate, one line per policy, from
+    `vllmini.serving.rate_sweep` points; a dotted line marks the highest rate each policy sustains (below
+    `factor` x its lowest-rate latency, the dashed line). Hollow markers: runs cut off (lower bounds)."""
+    import matplotlib.pyplot as plt
+
+    from vllmini.serving import sustained_rate
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6.5, 4.2))
+    for k, policy in enumerate(dict.fromkeys(p.policy for p in points)):
+        pts = sorted((p for p in points if p.policy == policy), key=lambda p: p.rate)
+        color = POLICY_COLORS.get(policy, f"C{k + 4}")
+        s = sustained_rate(pts, policy, factor)
+        rates, lat = [p.rate for p in pts], [1e3 * p.mean_normalized_latency for p in pts]
+        bound = "" if s.crossed else ">= "
+        ax.plot(rates, lat, "-", color=color, label=f"{policy}: sustains {bound}{s.rate:.3g}/s")
+        for p, y in zip(pts, lat, strict=True):
+            ax.plot(p.rate, y, "o", color=color, mfc=color if p.metrics.complete else "white")
+        ax.axhline(1e3 * s.threshold, color=color, ls="--", lw=0.8, alpha=0.6)
+        if s.crossed:
+            ax.axvline(s.rate, color=color, ls=":", lw=1.2)
+    ax.set(
+        xlabel="request rate (requests/s)",
+        ylabel="mean normalized latency (ms/token)",
+        yscale="log",
+        title=title or f"latency vs request rate (dashed: {factor:g}x the lowest-rate latency)",
+    )
+    ax.legend(fontsize=8, loc="upper left")
+    return ax
