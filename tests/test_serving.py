@@ -262,6 +262,8 @@ def test_step_cost_fit_recovers_known_coefficients():
     assert fit.per_token == 0.0 and fit.fixed == pytest.approx(0.25)
     with pytest.raises(InvalidArgumentError):
         StepCost(-1.0, 0.0, 0.0)
+    with pytest.raises(InvalidArgumentError, match="equal-length"):
+        StepCost.fit([1, 2, 3], [1, 2], [1, 2, 3])
 
 
 def test_h200_step_cost_is_the_fit_to_the_recorded_step_times():
@@ -318,3 +320,20 @@ def test_static_sustains_a_lower_rate_than_paging(model):
     assert by["paged", 40.0].mean_batch > 1.5 * by["static", 40.0].mean_batch
     text = format_sweep(pts)
     assert "paged / static" in text and "highest rate sustained" in text
+
+
+def test_plot_latency_vs_rate():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from vllmini.viz import plot_latency_vs_rate
+
+    pts = [point("static", 1.0, 0.01), point("static", 2.0, 0.08), point("paged", 1.0, 0.01)]
+    pts.append(point("paged", 4.0, 0.02))
+    ax = plot_latency_vs_rate(pts)
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["static: sustains 1.57 requests/s", "paged: sustains >= 4 requests/s"]
+    assert ax.get_yscale() == "log" and "normalized latency" in ax.get_ylabel()
+    plt.close("all")

@@ -171,15 +171,13 @@ class StepCost:
     def fit(cls, num_batched_tokens, num_kv_tokens, seconds) -> StepCost:
         """Least-squares fit with all three coefficients >= 0 (each subset of free coefficients is
         solved; the best feasible one wins). Inputs: one entry per step, or per run's mean step."""
-        x = np.stack(
-            [np.ones(len(seconds)), np.asarray(num_batched_tokens, float), np.asarray(num_kv_tokens, float)],
-            1,
-        )  # (n, 3)
-        y = np.asarray(seconds, dtype=np.float64)  # (n,)
-        if x.shape[0] != y.shape[0] or x.shape[0] < 3:
+        cols = [np.asarray(v, dtype=np.float64).ravel() for v in (num_batched_tokens, num_kv_tokens, seconds)]
+        if len({c.size for c in cols}) != 1 or cols[0].size < 3:
             raise InvalidArgumentError(
-                f"fit needs >= 3 steps of equal-length inputs, got {x.shape[0]}, {len(y)}"
+                f"fit needs three equal-length inputs of >= 3 steps, got lengths {[c.size for c in cols]}"
             )
+        x = np.stack([np.ones(cols[0].size), cols[0], cols[1]], 1)  # (n, 3)
+        y = cols[2]  # (n,)
         best, best_err = np.zeros(3), float(y @ y)
         for mask in range(1, 8):
             cols = [j for j in range(3) if mask >> j & 1]
@@ -405,7 +403,9 @@ def serve(
             t = now()
             seconds = t - start
         else:
-            seconds = float(step_cost(rec.num_batched_tokens, rec.num_kv_tokens))
+            seconds = as_float(
+                step_cost(rec.num_batched_tokens, rec.num_kv_tokens), "step_cost(...)", min=0.0
+            )
             t = start + seconds
         steps.append(replace(rec, start=start, seconds=seconds))
         for rid in first:
