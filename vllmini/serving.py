@@ -12,9 +12,10 @@ pool), recording per request: arrival, first token, finish, tokens. Two clocks:
 
   "wall"       seconds measured around each step (on a GPU: the real thing).
   "simulated"  each step costs step_seconds = a + b * (tokens in the batch) + c * (KV tokens read),
-               `StepCost`, fitted to step times recorded on a GPU (`H200_STEP_COST`); deterministic, so a
-               CPU reproduces a GPU's curve shape in seconds. Only time is modelled: batching and memory
-               are the engine's own.
+               `StepCost`, fitted to step times recorded on a GPU (`H200_STEP_COST`): a model of the GPU's
+               time, deterministic, that a CPU runs in a fraction of it. Only time is modelled: batching,
+               preemption and memory are the engine's own. (A tiny model on a CPU runs ~10x faster with
+               torch.set_num_threads(1).)
 
 Metrics follow the PagedAttention paper (Kwon et al., SOSP 2023, Sec. 6): normalized latency = a
 request's end-to-end latency divided by its output length, averaged over requests; plus time to first
@@ -48,10 +49,11 @@ FULL_MAX_MODEL_LEN, FULL_KV_SLOTS, FULL_BLOCK_SIZE = 2048, 15360, 16
 
 # Request rates (requests/s) a sweep runs at full size; at 1/scale the requests are `scale` times shorter,
 # so `rate_sweep` multiplies these by scale. Each brackets where the three policies cross 5x their
-# lowest-rate latency under H200_STEP_COST (ShareGPT: near 3, 8 and 10 requests/s).
+# lowest-rate latency under H200_STEP_COST (ShareGPT: near 3, 8 and 10 requests/s;
+# Alpaca: near 11, 85 and 110).
 RATE_GRID = {
     "sharegpt": (0.5, 2.0, 3.0, 4.0, 5.5, 7.0, 8.5, 10.0, 12.0, 14.0),
-    "alpaca": (2.0, 6.0, 10.0, 15.0, 25.0, 40.0, 55.0, 70.0, 85.0, 100.0, 120.0),
+    "alpaca": (2.0, 6.0, 10.0, 15.0, 25.0, 40.0, 55.0, 70.0, 85.0, 100.0, 120.0, 150.0),
 }
 
 
@@ -391,11 +393,10 @@ def serve(
             cut = True
             break
         if not engine.has_unfinished_requests():  # idle until the next arrival
-            wait = trace[order[nxt]].arrival - t
             if clock == "wall":
-                time.sleep(max(0.0, wait))
+                time.sleep(max(0.0, trace[order[nxt]].arrival - t))
             else:
-                t += wait
+                t = trace[order[nxt]].arrival  # jump exactly to it (t + gap could round below it)
             continue
         start = t
         finished, rec, first = meter.step()
@@ -673,16 +674,16 @@ def sustained_rate(points: Sequence[SweepPoint], policy: str, factor: float = 5.
 def format_sweep(points: Sequence[SweepPoint], factor: float = 5.0) -> str:
     """One line per run (normalized latency in ms/token, TTFT in s), then each policy's sustained rate."""
     head = (
-        f"{'policy':7} {'rate/s':>7} {'reqs':>5} {'norm. latency mean':>18} {'p50':>7} {'p99':>7} "
-        f"{'TTFT p50':>8} {'batch':>6} {'preempt':>7}"
+        f"{'':21}{'normalized latency, ms/token':>30}\n{'policy':7} {'rate/s':>7} {'reqs':>5} {'mean':>10} "
+        f"{'p50':>9} {'p99':>9} {'TTFT p50 (s)':>13} {'batch':>6} {'preempt':>7}"
     )
-    lines = [head, "-" * len(head)]
+    lines = [head, "-" * len(head.split("\n")[1])]
     for p in points:
         m, nl = p.metrics, p.metrics.normalized_latency
         mark = ">" if not m.complete else " "
         lines.append(
-            f"{p.policy:7} {p.rate:7.3g} {m.num_requests:5d} {mark}{1e3 * nl.mean:17.4g} {1e3 * nl.p50:7.4g} "
-            f"{1e3 * nl.p99:7.4g} {m.ttft.p50:8.3g} {p.mean_batch:6.1f} {p.num_preemptions:7d}"
+            f"{p.policy:7} {p.rate:7.3g} {m.num_requests:5d} {mark}{1e3 * nl.mean:9.4g} {1e3 * nl.p50:9.4g} "
+            f"{1e3 * nl.p99:9.4g} {m.ttft.p50:13.3g} {p.mean_batch:6.1f} {p.num_preemptions:7d}"
         )
     if any(not p.metrics.complete for p in points):
         lines.append("> run cut off with requests unfinished: the mean is a lower bound")

@@ -481,7 +481,7 @@ def plot_latency_vs_rate(points, *, factor: float = 5.0, ax: Axes | None = None,
     for t, color in thresholds[:1] if spread < 1.05 else thresholds:  # one line when they coincide
         ax.axhline(t, color="grey" if spread < 1.05 else color, ls="--", lw=0.9)
     ax.set_yscale("log")
-    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 3.0, 5.0, 7.0)))
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.yaxis.set_minor_formatter(NullFormatter())
     ax.set(
