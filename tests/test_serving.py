@@ -34,21 +34,23 @@ RECORDED = Path(__file__).resolve().parents[1] / "benchmarks" / "recorded" / "en
 SCALE = 8  # notebook 06's scale: max_model_len 256, 1,920 KV slots, block size 2
 
 
+TINY = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=512,
+)
+
+
 @pytest.fixture(scope="module")
 def model():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model: more threads only wait on each other (10x slower on 2 cores)
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=512,
-    )
-    yield LlamaModel(cfg).eval()
+    yield LlamaModel(LlamaConfig(**TINY)).eval()
     torch.set_num_threads(threads)
 
 
@@ -210,6 +212,20 @@ def test_serve_on_the_wall_clock(model):
     assert all(r.finished and r.output_len == 4 for r in run.records)
     assert all(r.admitted >= r.arrival for r in run.records)
     assert all(s.seconds > 0 for s in run.steps) and run.end >= 0.1
+
+
+@pytest.mark.gpu
+def test_serve_on_a_gpu_by_the_wall_clock():
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        gpu_model = LlamaModel(LlamaConfig(**TINY)).eval()
+    trace = make_trace(40.0, 0.5, "sharegpt", max_model_len=256, scale=SCALE, vocab_size=64, seed=5)
+    engine = engine_at_scale(gpu_model, "paged", SCALE)
+    run = serve(engine, trace, clock="wall")
+    assert engine.model.device.type == "cuda" and len(run.records) == len(trace) > 5
+    assert all(r.finished and r.output_len == r.max_tokens and r.admitted >= r.arrival for r in run.records)
+    assert all(r.arrival < r.first_token <= r.finish <= run.end for r in run.records)
+    assert all(s.seconds > 0 for s in run.steps) and summarize(run).complete
 
 
 def test_serve_cut_off_keeps_partial_progress(model):
