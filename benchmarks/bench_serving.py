@@ -182,6 +182,7 @@ def main() -> None:
     ap.add_argument("--rates", type=float, nargs="+", help="requests/s (default: serving.RATE_GRID x scale)")
     ap.add_argument("--duration", type=float, help="seconds of arrivals per run (default 12 x 2 / scale)")
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the trace (arrivals, lengths, prompts)")
     ap.add_argument(
         "--factor", type=float, default=5.0, help="sustained: mean normalized latency < factor x lowest"
     )
@@ -237,6 +238,7 @@ def main() -> None:
         policies=args.policies,
         scale=scale,
         duration=duration,
+        seed=args.seed,
         clock=clock,
         factor=args.factor,
         on_point=report,

@@ -49,10 +49,10 @@ FULL_MAX_MODEL_LEN, FULL_KV_SLOTS, FULL_BLOCK_SIZE = 2048, 15360, 16
 
 # Request rates (requests/s) a sweep runs at full size; at 1/scale the requests are `scale` times shorter,
 # so `rate_sweep` multiplies these by scale. Each brackets where the three policies cross 5x their
-# lowest-rate latency under H200_STEP_COST (ShareGPT: near 3, 8 and 10 requests/s;
-# Alpaca: near 11, 85 and 110).
+# lowest-rate latency under H200_STEP_COST (ShareGPT: near 4, 10 and 12 requests/s; Alpaca: near 11, 85
+# and 110), with room above for a GPU faster than the model.
 RATE_GRID = {
-    "sharegpt": (0.5, 2.0, 3.0, 4.0, 5.5, 7.0, 8.5, 10.0, 12.0, 14.0),
+    "sharegpt": (0.5, 2.0, 3.0, 4.0, 5.5, 7.0, 8.5, 10.0, 12.0, 14.0, 17.0, 20.0),
     "alpaca": (2.0, 6.0, 10.0, 15.0, 25.0, 40.0, 55.0, 70.0, 85.0, 100.0, 120.0, 150.0),
 }
 
