@@ -27,7 +27,7 @@ tokens read, fitted to the step times in benchmarks/recorded/engine_step_times.j
 engine runs of benchmarks/RESULTS.md; `--derive-step-times PATH` rebuilds that file). A wall-clock GPU
 run can save every step (--record-steps PATH) and fits the model to them.
 
-    python benchmarks/bench_serving.py                       # CPU, simulated clock, 1/4 scale, ~1 min
+    python benchmarks/bench_serving.py                       # CPU, simulated clock, 1/4 scale, < 1 min
     python benchmarks/bench_serving.py --workload alpaca
     python benchmarks/bench_serving.py --device cuda --plot benchmarks/out/serving_sharegpt.png \
         --record-steps benchmarks/out/serving_steps.json    # one GPU, wall clock, 1/2 scale, < 10 min
@@ -36,7 +36,8 @@ run can save every step (--record-steps PATH) and fits the model to them.
 Recorded 2026-12-01 on a CPU (simulated H200 clock, tiny model, seed 0), ShareGPT-like, highest rate
 sustained static / oracle / paged, and paged's gain over static and oracle (paper, Sec. 6.2: 2.7-8x over
 Orca (Max), 1.7-2.7x over Orca (Oracle)):
-  scale 1/4 (default):  15.4 / 39.3 / 51.0 requests/s   3.31x, 1.30x
+  scale 1/4 (default):  15.4 / 39.3 / 51.0 requests/s   3.31x, 1.30x   (--seed 1: 3.18x, 1.23x;
+                        --seed 2: 3.68x, 1.36x)
   scale 1/2 (--scale 2, the GPU's set-up): 7.68 / 19.6 / 23.1 requests/s   3.01x, 1.18x; 402 s on the
                         simulated clock, so about that much GPU time if the H200 steps match the model
   scale 1/8 (notebook 06, 4 s traces): 19.2 / 58.3 / 87.8 requests/s   4.57x, 1.51x
