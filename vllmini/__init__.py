@@ -41,7 +41,7 @@ _EXPORTS = {
 }
 _SUBMODULES = set(
     "errors checks memory allocator block_table kv_cache attention cuda_kernels emulator "
-    "model scheduler engine viz".split()
+    "model scheduler engine serving exercises viz".split()
 )
 
 __all__ = sorted(_EXPORTS)

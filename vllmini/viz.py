@@ -1167,3 +1167,50 @@ def draw_token_mapping(
               fontsize=8)  # fmt: skip
     fig.tight_layout()
     return fig
+
+
+# ---- serving pictures (latency vs rate)
+
+POLICY_COLORS = {"static": "C3", "oracle": "C1", "paged": "C2"}
+
+
+def plot_latency_vs_rate(points, *, factor: float = 5.0, ax: Axes | None = None, title: str | None = None):
+    """Mean normalized latency (ms/token) against request rate, one line per policy, from
+    `vllmini.serving.rate_sweep` points; a dotted line marks the highest rate each policy sustains (below
+    `factor` x its lowest-rate latency, the dashed line). Hollow markers: runs cut off (lower bounds)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    from vllmini.serving import sustained_rate
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6.5, 4.2))
+    thresholds = []
+    for k, policy in enumerate(dict.fromkeys(p.policy for p in points)):
+        pts = sorted((p for p in points if p.policy == policy), key=lambda p: p.rate)
+        color = POLICY_COLORS.get(policy, f"C{k + 4}")
+        s = sustained_rate(pts, policy, factor)
+        rates, lat = [p.rate for p in pts], [1e3 * p.mean_normalized_latency for p in pts]
+        bound = "" if s.crossed else ">= "
+        ax.plot(rates, lat, "-", color=color, label=f"{policy}: sustains {bound}{s.rate:.3g} requests/s")
+        done = [p.metrics.complete for p in pts]
+        ax.scatter(
+            rates, lat, s=28, zorder=3, color=[color if d else "white" for d in done], edgecolors=color
+        )
+        if s.crossed:
+            ax.axvline(s.rate, color=color, ls=":", lw=1.2)
+        thresholds.append((1e3 * s.threshold, color))
+    spread = max(t for t, _ in thresholds) / min(t for t, _ in thresholds)
+    for t, color in thresholds[:1] if spread < 1.05 else thresholds:  # one line when they coincide
+        ax.axhline(t, color="grey" if spread < 1.05 else color, ls="--", lw=0.9)
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 3.0, 5.0, 7.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set(
+        xlabel="request rate (requests/s)",
+        ylabel="mean normalized latency (ms/token)",
+        title=title or f"latency vs request rate (dashed: {factor:g}x the lowest-rate latency)",
+    )
+    ax.legend(fontsize=8, loc="lower right")  # the curves rise to the upper left
+    return ax
