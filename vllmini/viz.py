@@ -459,7 +459,7 @@ class PageTableExplorer:
     CSS_PX_PER_INCH = 96  # the picture's natural size on the page
     RENDER_SCALE = 2  # pixels rendered per CSS pixel: sharp on high-density screens, and when zoomed
 
-    def __init__(self, num_blocks: int = 16, block_size: int = 4, *, figsize=None, max_width: int = 900):
+    def __init__(self, num_blocks: int = 16, block_size: int = 4, *, figsize=None, max_width: int = 1000):
         import ipywidgets as w
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -504,7 +504,10 @@ class PageTableExplorer:
         self.num_tokens.observe(self._label_buttons, "value")
         self.seq_select.observe(self._label_buttons, "value")
         self.status = w.HTML()
-        self.image = w.Image(format="png", layout=w.Layout(max_width="100%", height="auto"))
+        picture = w.Layout(
+            max_width="100%", min_width="0", height="auto", flex="0 1 auto", object_fit="contain"
+        )
+        self.image = w.Image(format="png", layout=picture)  # shrinks (keeping its shape) in narrow cells
         self.controls = w.VBox(
             [self.num_tokens, self.seq_select, self.add_button, self.append_button, self.fork_button,
              self.free_button, self.reset_button],
@@ -664,18 +667,20 @@ class PageTableExplorer:
             f"<b style='color:{color}'>{html.escape(head)}</b><br>{html.escape(tail)}</div>"
         )
 
-    def render_png(self) -> bytes:
-        """The current picture as PNG bytes (the last action's copied blocks highlighted)."""
+    def render_png(self) -> tuple[bytes, int]:
+        """The current picture as PNG bytes (the last action's copied blocks highlighted) and the width
+        in CSS pixels to show it at: its natural size, at most max_width, rendered at RENDER_SCALE x."""
         highlight = [dst for _, dst in self.last_copies]
         draw_page_table(self.manager, fig=self.figure, figsize=self.figsize, highlight=highlight)
+        width = min(self.max_width, round(self.figure.get_figwidth() * self.CSS_PX_PER_INCH))
         buf = io.BytesIO()
-        self.figure.savefig(buf, format="png", dpi=self.CSS_PX_PER_INCH * self.RENDER_SCALE)
-        return buf.getvalue()
+        dpi = self.RENDER_SCALE * width / self.figure.get_figwidth()
+        self.figure.savefig(buf, format="png", dpi=dpi, pil_kwargs={"compress_level": 3})
+        return buf.getvalue(), width
 
     def refresh(self) -> None:
         """Redraw, then swap the picture and the status line together (the status never runs ahead)."""
-        png = self.render_png()
-        width = min(self.max_width, round(self.figure.get_figwidth() * self.CSS_PX_PER_INCH))
+        png, width = self.render_png()
         self.image.layout.width = f"{width}px"
         self.image.value = png
         self._show_status()
