@@ -298,12 +298,12 @@ def test_explorer_buttons_say_what_they_do():
     e = PageTableExplorer(num_blocks=8, block_size=4)
     e.num_tokens.value = 1
     assert e.add_button.description == "add a sequence of 1 token"
-    e.add_button.click()
+    e.click("add")
     e.num_tokens.value = 3
     assert e.append_button.description == "append 3 tokens to seq 0"
     assert (e.fork_button.description, e.free_button.description) == ("fork seq 0", "free seq 0")
     assert e.seq_select.options == (("seq 0", 0),)  # labelled as in the picture
-    e.fork_button.click()
+    e.click("fork")
     assert e.seq_select.value == 1 and e.append_button.description == "append 3 tokens to seq 1"
     assert "forked seq 0 into seq 1 (now selected)" in e.status.value
 
@@ -313,7 +313,7 @@ def test_explorer_buttons_change_state_and_picture():
     png = e.image.value
 
     e.num_tokens.value = 6
-    e.add_button.click()
+    e.click("add")
     assert e.manager.seq_ids == [0] and e.manager.seq_len(0) == 6
     assert e.seq_select.value == 0
     assert e.image.value != png
@@ -321,17 +321,17 @@ def test_explorer_buttons_change_state_and_picture():
     assert "added seq 0 with 6 tokens" in e.status.value and e.last_error is None
 
     e.num_tokens.value = 3
-    e.append_button.click()
+    e.click("append")
     assert e.manager.seq_len(0) == 9 and e.manager.block_table(0).block_ids == [0, 1, 2]
     assert e.image.value != png
     assert "appended 3 tokens to seq 0" in e.status.value
 
-    e.fork_button.click()
+    e.click("fork")
     assert e.manager.seq_ids == [0, 1] and e.seq_select.value == 1
     assert e.manager.allocator.ref_count(0) == 2
 
     e.num_tokens.value = 1
-    e.append_button.click()  # seq 1's last block is shared and partly full: copy-on-write
+    e.click("append")  # seq 1's last block is shared and partly full: copy-on-write
     assert e.manager.block_table(1).block_ids == [0, 1, 3]
     assert "appended 1 token to seq 1" in e.status_text()  # not "1 tokens"
     assert "copy-on-write: block 2 → 3" in e.status_text()
@@ -342,7 +342,7 @@ def test_explorer_buttons_change_state_and_picture():
     assert "highlight:3" in highlighted  # the copy is highlighted once ...
 
     e.seq_select.value = 0
-    e.free_button.click()
+    e.click("free")
     assert e.manager.seq_ids == [1] and e.seq_select.value == 1
     assert e.manager.allocator.ref_count(0) == 1
     assert not any(g.startswith("highlight:") for g in patches_by_gid(e.figure))  # ... and only once
@@ -350,6 +350,22 @@ def test_explorer_buttons_change_state_and_picture():
     e.reset_button.click()
     assert e.manager.seq_ids == [] and e.manager.num_free_blocks == 8
     assert e.seq_select.value is None and "reset" in e.status.value
+
+
+def test_explorer_clicks_travel_with_the_tokens_box():
+    """The browser copies each toggle into the tokens box's flags (jsdlink), so a click arrives in the
+    tokens box's own message stream: in one message with a freshly typed number, it uses that number."""
+    e = PageTableExplorer(num_blocks=8, block_size=4)
+    targets = {
+        (link.source[0].model_id, link.target[1]) for link in e._links if link.target[0] is e.num_tokens
+    }
+    assert targets == {(e._buttons[n].model_id, f"{n}_click") for n in ("add", "append", "fork", "free")}
+    e.num_tokens.set_state({"value": 7, "add_click": True})  # the message the browser sends
+    assert e.manager.seq_len(0) == 7 and "added seq 0 with 7 tokens" in e.status_text()
+    e.num_tokens.set_state({"value": 2, "append_click": True})
+    assert e.manager.seq_len(0) == 9
+    with pytest.raises(InvalidArgumentError, match="name must be one of"):
+        e.click("reset")
 
 
 def test_explorer_status_and_picture_change_together(monkeypatch):
@@ -362,28 +378,47 @@ def test_explorer_status_and_picture_change_together(monkeypatch):
     assert order == ["image", "status"]
 
 
+def test_explorer_draws_in_the_background_in_a_kernel():
+    """In a kernel a click only changes state and wakes a drawing thread, so the kernel answers the
+    browser at once; wait() returns when picture and status show the new state, together."""
+    e = PageTableExplorer(num_blocks=8, block_size=4, background=True)
+    assert e.wait(60)
+    png = e.image.value
+    for n in (3, 2, 5):  # three clicks in a row: each applied at once, the drawing catches up
+        e.num_tokens.value = n
+        e.click("add")
+    assert e.manager.seq_ids == [0, 1, 2] and [e.manager.seq_len(s) for s in (0, 1, 2)] == [3, 2, 5]
+    assert e.wait(60)
+    assert e.image.value != png and "added seq 2 with 5 tokens" in e.status.value
+    assert "4 of 8 blocks free" in e.status.value
+    assert patches_by_gid(e.figure).keys() >= {"logical:2:1", "arrow:2:1->3"}
+    e.add_sequence(100)  # an error: the status says it, the picture stays
+    png = e.image.value
+    assert e.wait(60) and "error: OutOfBlocksError" in e.status.value and e.image.value == png
+
+
 def test_explorer_out_of_blocks_shows_error_and_changes_nothing():
     e = PageTableExplorer(num_blocks=4, block_size=4)
     e.num_tokens.value = 10
-    e.add_button.click()
+    e.click("add")
     before, png = full_state(e.manager), e.image.value
     e.num_tokens.value = 16
-    e.add_button.click()  # needs 4 blocks, 1 left
+    e.click("add")  # needs 4 blocks, 1 left
     assert "OutOfBlocksError" in e.last_error
     assert "error: OutOfBlocksError" in e.status.value
     assert full_state(e.manager) == before
     assert e.image.value == png  # same state, same picture
-    e.append_button.click()  # 10 + 16 tokens: also too many
+    e.click("append")  # 10 + 16 tokens: also too many
     assert "OutOfBlocksError" in e.last_error and full_state(e.manager) == before
     e.num_tokens.value = 2
-    e.append_button.click()  # fits: the error goes away
+    e.click("append")  # fits: the error goes away
     assert e.last_error is None and e.manager.seq_len(0) == 12
 
 
 def test_explorer_without_a_sequence_reports_it():
     e = PageTableExplorer(num_blocks=4, block_size=2)
-    for button in (e.append_button, e.fork_button, e.free_button):
-        button.click()  # disabled in the browser; a click from code still gets an answer
+    for name in ("append", "fork", "free"):
+        e.click(name)  # disabled in the browser; a click from code still gets an answer
         assert e.last_error == "no sequence selected: add one first"
         assert "no sequence selected" in e.status.value
     assert e.manager.seq_ids == []
@@ -434,7 +469,7 @@ def test_explorer_stays_small_on_a_big_pool():
     for s in range(63):  # 63 sequences straight into the manager (no picture each), then one click
         e.manager.allocate(f"s{s}", 1)
     e.num_tokens.value = 1
-    e.add_button.click()
+    e.click("add")
     assert e.last_error is None and e.manager.num_free_blocks == 0
     assert len(e.figure.axes[0].get_children()) < 1500
     assert e.add_sequence(1) is None and "OutOfBlocksError" in e.last_error

@@ -19,14 +19,16 @@ ipywidgets are imported inside the functions that need them, so `import vllmini`
 
 from __future__ import annotations
 
+import functools
 import html
 import io
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from vllmini.allocator import BlockAllocator
 from vllmini.block_table import BlockManager, BlockTable
-from vllmini.checks import as_int
+from vllmini.checks import as_int, one_of
 from vllmini.errors import InvalidArgumentError, InvalidTypeError, VllminiError
 
 if TYPE_CHECKING:
@@ -73,6 +75,8 @@ def _manager_over(tables: dict, allocator: BlockAllocator, block_size: int) -> B
 
 def _snapshot(manager_or_tables, allocator: BlockAllocator | None, seq_ids) -> _Snapshot:
     obj = manager_or_tables
+    if isinstance(obj, _Snapshot):  # taken earlier (the explorer takes it under its lock)
+        return obj
     if isinstance(obj, BlockManager):
         tables = {s: obj.block_table(s) for s in obj.seq_ids}
         allocator = allocator or obj.allocator
@@ -445,6 +449,41 @@ def draw_page_table(
 # ---------------------------------------------------------------------------------------------- explorer
 
 
+def _in_kernel() -> bool:
+    """Are we running inside a Jupyter kernel (where widgets talk to a browser)?"""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+def _locked(method):
+    """Run an explorer method under the explorer's lock (the picture is drawn on another thread)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+def _tokens_box(**kwargs):
+    """A BoundedIntText with one extra synced flag per action button (see PageTableExplorer)."""
+    import ipywidgets as w
+    from traitlets import Bool
+
+    class TokensBox(w.BoundedIntText):
+        add_click = Bool(False).tag(sync=True)
+        append_click = Bool(False).tag(sync=True)
+        fork_click = Bool(False).tag(sync=True)
+        free_click = Bool(False).tag(sync=True)
+
+    return TokensBox(**kwargs)
+
+
 class PageTableExplorer:
     """Add, grow, fork and free sequences with buttons and watch the page table change.
 
@@ -452,14 +491,22 @@ class PageTableExplorer:
     and shown at its natural size (rendered at 2x for sharp text), so it updates in place (no flicker,
     no ipympl needed). The status line and the picture are updated together, after the drawing. Errors
     such as running out of blocks are shown in the status line (and kept in `last_error`), never
-    raised, and leave state and picture unchanged. The tokens box syncs on every keystroke, so a click
-    right after typing uses the typed number.
+    raised, and leave state and picture unchanged. A click right after typing always uses the typed
+    number (see the note in __init__); `click(name)` clicks a button from code.
     """
 
     CSS_PX_PER_INCH = 96  # the picture's natural size on the page
     RENDER_SCALE = 2  # pixels rendered per CSS pixel: sharp on high-density screens, and when zoomed
 
-    def __init__(self, num_blocks: int = 16, block_size: int = 4, *, figsize=None, max_width: int = 1000):
+    def __init__(
+        self,
+        num_blocks: int = 16,
+        block_size: int = 4,
+        *,
+        figsize=None,
+        max_width: int = 1000,
+        background: bool | None = None,
+    ):
         import ipywidgets as w
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -473,34 +520,51 @@ class PageTableExplorer:
         self.last_error: str | None = None
         self.last_action = "empty pool: add a sequence"
         self.last_copies: list[tuple[int, int]] = []  # copy-on-write pairs of the last action
+        # In a kernel the picture is drawn on a worker thread, so a click is answered in a millisecond:
+        # the browser never holds a typed number back while the kernel is busy drawing.
+        self.background = _in_kernel() if background is None else bool(background)
+        self._lock = threading.RLock()  # guards the manager and the explorer's state
+        self._draw_lock = threading.Lock()  # guards the figure
+        self._wake = threading.Condition()
+        self._want: bool | None = None  # None: nothing to do; False: status only; True: picture too
+        self._idle = threading.Event()
+        self._idle.set()
+        self._worker: threading.Thread | None = None
         self.figure = Figure()  # not registered with pyplot: it never pops up on its own
         FigureCanvasAgg(self.figure)  # renders PNGs headless
 
-        self.num_tokens = w.BoundedIntText(
+        self.num_tokens = _tokens_box(
             value=block_size + 1,
             min=1,
             max=self.num_blocks * self.block_size,
             description="tokens",
-            continuous_update=True,  # every keystroke reaches the kernel before the next click can
+            continuous_update=True,  # the buttons' labels follow the typing
             layout=w.Layout(width="200px"),
         )
         self.seq_select = w.Dropdown(options=[], description="sequence", layout=w.Layout(width="200px"))
         wide = w.Layout(width="200px")
-        self.add_button = w.Button(tooltip="start a new sequence holding `tokens` tokens", layout=wide)
-        self.append_button = w.Button(tooltip="grow the selected sequence by `tokens` tokens", layout=wide)
-        self.fork_button = w.Button(
-            tooltip="a new sequence sharing every block of the selected one", layout=wide
-        )
-        self.free_button = w.Button(tooltip="finish the selected sequence: its blocks go back", layout=wide)
+        tips = {
+            "add": "start a new sequence holding `tokens` tokens",
+            "append": "grow the selected sequence by `tokens` tokens",
+            "fork": "a new sequence sharing every block of the selected one",
+            "free": "finish the selected sequence: its blocks go back",
+        }
+        # A click must not overtake the number typed just before it. The browser holds back a widget's
+        # update while its previous one is unanswered, but sends a Button's click at once, so a click
+        # could reach the kernel before the number. Instead each action button toggles, and the browser
+        # itself copies the toggle into the tokens box (jsdlink): the click then travels in the tokens
+        # box's own message stream, after (or in one message with) the number.
+        self._buttons, self._links = {}, []
+        for name, tip in tips.items():
+            button = w.ToggleButton(tooltip=tip, layout=wide)
+            self._links.append(w.jsdlink((button, "value"), (self.num_tokens, f"{name}_click")))
+            self.num_tokens.observe(self._on_click, f"{name}_click")
+            button.add_class("vllmini-action")
+            self._buttons[name] = button
+        self.add_button, self.append_button = self._buttons["add"], self._buttons["append"]
+        self.fork_button, self.free_button = self._buttons["fork"], self._buttons["free"]
         self.reset_button = w.Button(description="reset: empty pool", icon="refresh", layout=wide)
-        for button, handler in (
-            (self.add_button, self._on_add),
-            (self.append_button, self._on_append),
-            (self.fork_button, self._on_fork),
-            (self.free_button, self._on_free),
-            (self.reset_button, self._on_reset),
-        ):
-            button.on_click(handler)
+        self.reset_button.on_click(lambda _button: self.reset())
         self.num_tokens.observe(self._label_buttons, "value")
         self.seq_select.observe(self._label_buttons, "value")
         self.status = w.HTML()
@@ -513,7 +577,13 @@ class PageTableExplorer:
              self.free_button, self.reset_button],
             layout=w.Layout(min_width="210px"),
         )  # fmt: skip
-        self.widget = w.VBox([self.status, w.HBox([self.controls, self.image])])
+        # a toggled button looks like any other button: the toggle is only the click's messenger
+        style = w.HTML(
+            "<style>.vllmini-explorer .vllmini-action.mod-active {box-shadow: none; "
+            "background-color: var(--jp-layout-color2); color: var(--jp-ui-font-color1);}</style>",
+            layout=w.Layout(display="none"),
+        )
+        self.widget = w.VBox([style, self.status, w.HBox([self.controls, self.image])])
         for widget, name in (
             (self.widget, "explorer"), (self.num_tokens, "tokens"), (self.seq_select, "seq"),
             (self.add_button, "add"), (self.append_button, "append"), (self.fork_button, "fork"),
@@ -526,6 +596,7 @@ class PageTableExplorer:
 
     # ---- actions (the buttons call these; tests and notebooks may call them directly)
 
+    @_locked
     def add_sequence(self, num_tokens: int | None = None):
         """Start a new sequence of `num_tokens` tokens (default: the tokens box). Returns its id or None."""
         n = self.num_tokens.value if num_tokens is None else num_tokens
@@ -537,6 +608,7 @@ class PageTableExplorer:
         self.refresh()
         return seq_id
 
+    @_locked
     def append(self, seq_id=None, num_tokens: int | None = None) -> None:
         """Grow `seq_id` (default: the selected one) by `num_tokens` (default: the tokens box)."""
         seq_id = self.seq_select.value if seq_id is None else seq_id
@@ -546,6 +618,7 @@ class PageTableExplorer:
         if self._try(lambda: self.manager.append(seq_id, n), f"appended {self._tok(n)} to seq {seq_id}"):
             self.refresh()
 
+    @_locked
     def fork(self, seq_id=None):
         """Fork `seq_id` (default: the selected one) into a new sequence. Returns the child's id or None."""
         seq_id = self.seq_select.value if seq_id is None else seq_id
@@ -560,6 +633,7 @@ class PageTableExplorer:
         self.refresh()
         return child
 
+    @_locked
     def free(self, seq_id=None) -> None:
         """Finish `seq_id` (default: the selected one): its blocks go back to the pool."""
         seq_id = self.seq_select.value if seq_id is None else seq_id
@@ -569,6 +643,7 @@ class PageTableExplorer:
             self._refresh_select(None)
             self.refresh()
 
+    @_locked
     def reset(self) -> None:
         """Start over with an empty pool (sequence ids start at 0 again)."""
         self.manager = BlockManager(self.num_blocks, self.block_size)
@@ -579,20 +654,16 @@ class PageTableExplorer:
         self._refresh_select(None)
         self.refresh()
 
-    def _on_add(self, _button=None):
-        self.add_sequence()
+    def click(self, name: str) -> None:
+        """Click the button `name` ("add", "append", "fork" or "free") as the browser does: flip its
+        flag on the tokens box."""
+        one_of(name, "name", tuple(self._buttons))
+        flag = f"{name}_click"
+        setattr(self.num_tokens, flag, not getattr(self.num_tokens, flag))
 
-    def _on_append(self, _button=None):
-        self.append()
-
-    def _on_fork(self, _button=None):
-        self.fork()
-
-    def _on_free(self, _button=None):
-        self.free()
-
-    def _on_reset(self, _button=None):
-        self.reset()
+    def _on_click(self, change) -> None:
+        action = change["name"].removesuffix("_click")
+        {"add": self.add_sequence, "append": self.append, "fork": self.fork, "free": self.free}[action]()
 
     # ---- helpers
 
@@ -659,31 +730,73 @@ class PageTableExplorer:
             f"pool {u['pool_utilization']:.0%}"
         )
 
-    def _show_status(self) -> None:
+    def _status_html(self) -> str:
         head, tail = self.status_text().split("\n", 1)
         color = "#c62828" if self.last_error else "#333333"
-        self.status.value = (
+        return (
             f"<div style='font-family:monospace;font-size:12px;line-height:1.5'>"
             f"<b style='color:{color}'>{html.escape(head)}</b><br>{html.escape(tail)}</div>"
         )
 
-    def render_png(self) -> tuple[bytes, int]:
-        """The current picture as PNG bytes (the last action's copied blocks highlighted) and the width
-        in CSS pixels to show it at: its natural size, at most max_width, rendered at RENDER_SCALE x."""
-        highlight = [dst for _, dst in self.last_copies]
-        draw_page_table(self.manager, fig=self.figure, figsize=self.figsize, highlight=highlight)
-        width = min(self.max_width, round(self.figure.get_figwidth() * self.CSS_PX_PER_INCH))
-        buf = io.BytesIO()
-        dpi = self.RENDER_SCALE * width / self.figure.get_figwidth()
-        self.figure.savefig(buf, format="png", dpi=dpi, pil_kwargs={"compress_level": 3})
+    def _show_status(self) -> None:
+        self.refresh(picture=False)
+
+    def render_png(self, snap: _Snapshot | None = None, highlight=None) -> tuple[bytes, int]:
+        """The picture as PNG bytes (the last action's copied blocks highlighted) and the width in CSS
+        pixels to show it at: its natural size, at most max_width, rendered at RENDER_SCALE x."""
+        if snap is None:
+            with self._lock:
+                snap, highlight = _snapshot(self.manager, None, None), [d for _, d in self.last_copies]
+        with self._draw_lock:
+            draw_page_table(snap, fig=self.figure, figsize=self.figsize, highlight=highlight or ())
+            width = min(self.max_width, round(self.figure.get_figwidth() * self.CSS_PX_PER_INCH))
+            buf = io.BytesIO()
+            dpi = self.RENDER_SCALE * width / self.figure.get_figwidth()
+            self.figure.savefig(buf, format="png", dpi=dpi, pil_kwargs={"compress_level": 3})
         return buf.getvalue(), width
 
-    def refresh(self) -> None:
-        """Redraw, then swap the picture and the status line together (the status never runs ahead)."""
-        png, width = self.render_png()
-        self.image.layout.width = f"{width}px"
-        self.image.value = png
-        self._show_status()
+    def refresh(self, picture: bool = True) -> None:
+        """Show the current state: redraw (unless picture=False), then swap the picture and the status
+        line together, so the status never runs ahead. In the background, this only asks the worker."""
+        if not self.background:
+            self._update(picture)
+            return
+        with self._wake:
+            self._want = picture or bool(self._want)
+            self._idle.clear()
+            self._wake.notify()
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._work, name="page-table-explorer", daemon=True)
+                self._worker.start()
+
+    def wait(self, timeout: float = 60.0) -> bool:
+        """Block until the picture and status show the current state (True), or `timeout` passed."""
+        return self._idle.wait(timeout)
+
+    def _update(self, picture: bool) -> None:
+        with self._lock:  # one consistent state for both: the status and the snapshot to draw
+            status = self._status_html()
+            snap = _snapshot(self.manager, None, None) if picture else None
+            highlight = [dst for _, dst in self.last_copies]
+        if picture:
+            png, width = self.render_png(snap, highlight)
+            self.image.layout.width = f"{width}px"
+            self.image.value = png
+        self.status.value = status
+
+    def _work(self) -> None:
+        while True:
+            with self._wake:
+                while self._want is None:
+                    self._wake.wait()
+                picture, self._want = self._want, None
+            try:
+                self._update(picture)
+            except Exception as e:  # keep the worker alive; say what happened where the learner looks
+                self.status.value = f"<pre>explorer could not draw: {html.escape(repr(e))}</pre>"
+            with self._wake:
+                if self._want is None:
+                    self._idle.set()
 
     def display(self) -> None:
         """Show the widget; where widgets cannot render (a saved notebook not yet run), a short hint
