@@ -131,6 +131,25 @@ def test_accepts_tables_dict_single_table_and_empty_manager():
     assert len(gids) == 6
 
 
+def test_draws_a_page_table_of_your_own():
+    """Notebook 03 draws the tables it builds itself: anything with block_ids, num_tokens, block_size and
+    allocator (and, optionally, pending_copies) is drawn like a BlockTable."""
+
+    class MyTable:
+        def __init__(self, allocator, ids, n):
+            self.allocator, self.block_size, self.block_ids, self.num_tokens = allocator, 4, ids, n
+            self.pending_copies = [(1, 2)] if n == 7 else []
+
+    a = BlockAllocator(4)
+    ids = [a.allocate(), a.allocate(), a.allocate()]
+    a.incref(ids[0])
+    fig = draw_page_table({"p": MyTable(a, ids[:2], 6), "c": MyTable(a, [ids[0], ids[2]], 7)}, a)
+    gids = patches_by_gid(fig)
+    assert {"arrow:p:1->1", "arrow:c:1->2", "copy:1->2"} <= set(gids)
+    assert "0 shared ×2" in texts(fig)
+    assert fig.axes[0].get_title().startswith("2 sequences, block_size 4: 3/4 blocks used, 11/12")
+
+
 def test_seq_ids_picks_which_sequences_to_draw():
     m = busy_manager()
     gids = patches_by_gid(draw_page_table(m, seq_ids=[2]))
@@ -347,8 +366,9 @@ def test_explorer_buttons_change_state_and_picture():
     assert e.manager.allocator.ref_count(0) == 1
     assert not any(g.startswith("highlight:") for g in patches_by_gid(e.figure))  # ... and only once
 
+    assert e.history[0] == "added seq 0 with 6 tokens → slots [0, 1, 2, 3, 4, 5]" and len(e.history) == 5
     e.reset_button.click()
-    assert e.manager.seq_ids == [] and e.manager.num_free_blocks == 8
+    assert e.manager.seq_ids == [] and e.manager.num_free_blocks == 8 and e.history == []
     assert e.seq_select.value is None and "reset" in e.status.value
 
 

@@ -67,10 +67,22 @@ class _Snapshot:
 
 def _manager_over(tables: dict, allocator: BlockAllocator, block_size: int) -> BlockManager:
     """A BlockManager view of existing tables, so their utilization has one home (BlockManager's)."""
+    from types import SimpleNamespace
+
     view = BlockManager.__new__(BlockManager)
     view.allocator, view.block_size, view.watermark_blocks = allocator, block_size, 0
-    view._tables = dict(tables)
+    view._tables = {
+        s: SimpleNamespace(_block_ids=list(t.block_ids), num_tokens=t.num_tokens) for s, t in tables.items()
+    }
     return view
+
+
+_TABLE_ATTRS = ("block_ids", "num_tokens", "block_size", "allocator")
+
+
+def _is_table(obj) -> bool:
+    """A BlockTable, or any page table with the same four attributes (e.g. one a learner wrote)."""
+    return isinstance(obj, BlockTable) or all(hasattr(obj, a) for a in _TABLE_ATTRS)
 
 
 def _snapshot(manager_or_tables, allocator: BlockAllocator | None, seq_ids) -> _Snapshot:
@@ -80,7 +92,7 @@ def _snapshot(manager_or_tables, allocator: BlockAllocator | None, seq_ids) -> _
     if isinstance(obj, BlockManager):
         tables = {s: obj.block_table(s) for s in obj.seq_ids}
         allocator = allocator or obj.allocator
-    elif isinstance(obj, BlockTable):
+    elif _is_table(obj):
         tables = {0: obj}
     elif isinstance(obj, dict):
         tables = dict(obj)
@@ -90,8 +102,11 @@ def _snapshot(manager_or_tables, allocator: BlockAllocator | None, seq_ids) -> _
             f"got {type(obj).__name__}"
         )
     for seq_id, table in tables.items():
-        if not isinstance(table, BlockTable):
-            raise InvalidTypeError(f"tables[{seq_id!r}] is a {type(table).__name__}, expected a BlockTable")
+        if not _is_table(table):
+            raise InvalidTypeError(
+                f"tables[{seq_id!r}] is a {type(table).__name__}, expected a BlockTable "
+                f"(or a table of your own with {', '.join(_TABLE_ATTRS)})"
+            )
     if allocator is None:
         if not tables:
             raise InvalidArgumentError("an empty dict of tables needs allocator= to know the pool")
@@ -115,10 +130,10 @@ def _snapshot(manager_or_tables, allocator: BlockAllocator | None, seq_ids) -> _
     return _Snapshot(
         block_size=block_size,
         num_blocks=allocator.num_blocks,
-        seqs=[(s, t.block_ids, t.num_tokens) for s, t in tables.items()],
+        seqs=[(s, list(t.block_ids), t.num_tokens) for s, t in tables.items()],
         ref_counts=[allocator.ref_count(b) for b in range(allocator.num_blocks)],
         free_ids=allocator.free_block_ids,
-        copies=[pair for t in tables.values() for pair in t.pending_copies],
+        copies=[tuple(pair) for t in tables.values() for pair in getattr(t, "pending_copies", [])],
         util=util,
     )
 
@@ -520,6 +535,7 @@ class PageTableExplorer:
         self.last_error: str | None = None
         self.last_action = "empty pool: add a sequence"
         self.last_copies: list[tuple[int, int]] = []  # copy-on-write pairs of the last action
+        self.history: list[str] = []  # what every successful action did, oldest first (reset empties it)
         # In a kernel the picture is drawn on a worker thread, so a click is answered in a millisecond:
         # the browser never holds a typed number back while the kernel is busy drawing.
         self.background = _in_kernel() if background is None else bool(background)
@@ -651,6 +667,7 @@ class PageTableExplorer:
         self.last_error = None
         self.last_action = "reset: empty pool"
         self.last_copies = []
+        self.history = []
         self._refresh_select(None)
         self.refresh()
 
@@ -688,6 +705,7 @@ class PageTableExplorer:
         for src, dst in self.last_copies:
             message += f"; copy-on-write: block {src} → {dst}"
         self.last_action = message
+        self.history.append(message)
         return True
 
     def _no_seq(self, seq_id) -> bool:
