@@ -147,7 +147,7 @@ def test_draws_a_page_table_of_your_own():
     gids = patches_by_gid(fig)
     assert {"arrow:p:1->1", "arrow:c:1->2", "copy:1->2"} <= set(gids)
     assert "0 shared ×2" in texts(fig)
-    assert fig.axes[0].get_title().startswith("2 sequences, block_size 4: 3/4 blocks used, 11/12")
+    assert fig.axes[0].get_title().startswith("2 sequences, block_size 4: 3/4 blocks used, 9/12")
 
 
 def test_seq_ids_picks_which_sequences_to_draw():
