@@ -218,7 +218,7 @@ def _layout(snap: _Snapshot, max_pool_rows: int, max_blocks: int, max_seq_blocks
     block_w = bs * lay.cell
     lay.px0 = block_w + max(5.0, 1.2 * block_w)  # the gap between the two sides holds the arrows
     lay.col_step = block_w + 4.4  # room right of each pool block for its label, "12 shared ×2"
-    lay.x_max = lay.px0 + lay.pool_cols * lay.col_step
+    lay.x_max = lay.px0 + lay.pool_cols * lay.col_step + (2.5 if snap.copies else 0.0)  # room for "copy"
     for j, item in enumerate(items):
         col, r = divmod(j, pool_rows)
         x, y = lay.px0 + col * lay.col_step, float(r)
@@ -372,6 +372,7 @@ def _draw_arrows(ax, snap, lay, colors):
             )  # fmt: skip
             arrow.set_gid(f"copy:{src}->{dst}")
             ax.add_artist(arrow)
+            ax.text(xs + lay.block_w + 4.0, (ys + yd) / 2 + H / 2, "copy", fontsize=7, va="center")
 
 
 def _draw_headers(ax, snap, lay, title):
