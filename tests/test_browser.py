@@ -32,10 +32,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "03_page_table.ipynb"
 ARTIFACTS = ROOT / "tests" / "artifacts" / "explorer"
-# JupyterLab's own console errors that say nothing about the explorer (matched as regular expressions)
-ALLOWED_CONSOLE_ERRORS = (
-    r"Failed to load resource: the server responded with a status of 404 \(Not Found\)",  # optional files
-)
+# JupyterLab's own console errors that say nothing about the explorer, as regular expressions matched
+# against "message @ url". None show up with JupyterLab 4.6 and chromium 156 (news and update checks are
+# switched off in the settings below); add one here, with the reason, if a new JupyterLab brings some.
+ALLOWED_CONSOLE_ERRORS: tuple[str, ...] = ()
 TIMEOUT_MS = 60_000  # per wait; a 2-core CI machine shared with other work can be slow
 
 
@@ -67,6 +67,7 @@ def lab(tmp_path_factory):
     work = tmp_path_factory.mktemp("lab")
     (work / "notebooks").mkdir()
     shutil.copy(NOTEBOOK, work / "notebooks" / NOTEBOOK.name)
+    shutil.copytree(NOTEBOOK.parent / "images", work / "notebooks" / "images")  # the notebook's pictures
     for plugin, values in (
         ("apputils-extension/notification", {"fetchNews": "false", "checkForUpdates": False}),  # no network
         ("notebook-extension/tracker", {"windowingMode": "none"}),  # every cell in the page, run or not
@@ -243,7 +244,7 @@ def test_explorer_in_jupyterlab(lab, browser):
     page = browser.new_page(viewport={"width": 1400, "height": 1000}, device_scale_factor=1)
     page.set_default_timeout(TIMEOUT_MS)
     errors = []
-    page.on("console", lambda m: m.type == "error" and errors.append(m.text))
+    page.on("console", lambda m: m.type == "error" and errors.append(f"{m.text} @ {m.location.get('url')}"))
     page.on("pageerror", lambda e: errors.append(f"uncaught: {e}"))
     try:
         page.goto(f"{lab['url']}/lab/tree/{NOTEBOOK.name}?token={lab['token']}")
