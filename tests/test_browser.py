@@ -235,13 +235,13 @@ def run_all_cells(page) -> None:
 
 
 @pytest.mark.slow
-def test_explorer_in_jupyterlab(lab, browser):
+def test_explorer_in_jupyterlab(browser, lab):  # browser first: without one, skip before starting a server
     from playwright.sync_api import expect
 
     if ARTIFACTS.exists():
         shutil.rmtree(ARTIFACTS)
     ARTIFACTS.mkdir(parents=True)
-    page = browser.new_page(viewport={"width": 1400, "height": 1000}, device_scale_factor=1)
+    page = browser.new_page(viewport={"width": 1700, "height": 1000}, device_scale_factor=1)
     page.set_default_timeout(TIMEOUT_MS)
     errors = []
     page.on("console", lambda m: m.type == "error" and errors.append(f"{m.text} @ {m.location.get('url')}"))

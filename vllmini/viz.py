@@ -556,10 +556,10 @@ class PageTableExplorer:
             max=self.num_blocks * self.block_size,
             description="tokens",
             continuous_update=True,  # the buttons' labels follow the typing
-            layout=w.Layout(width="200px"),
+            layout=w.Layout(width="240px"),
         )
-        self.seq_select = w.Dropdown(options=[], description="sequence", layout=w.Layout(width="200px"))
-        wide = w.Layout(width="200px")
+        self.seq_select = w.Dropdown(options=[], description="sequence", layout=w.Layout(width="240px"))
+        wide = w.Layout(width="240px")
         tips = {
             "add": "start a new sequence holding `tokens` tokens",
             "append": "grow the selected sequence by `tokens` tokens",
@@ -592,7 +592,7 @@ class PageTableExplorer:
         self.controls = w.VBox(
             [self.num_tokens, self.seq_select, self.add_button, self.append_button, self.fork_button,
              self.free_button, self.reset_button],
-            layout=w.Layout(min_width="210px"),
+            layout=w.Layout(min_width="250px"),
         )  # fmt: skip
         # a toggled button looks like any other button: the toggle is only the click's messenger
         style = w.HTML(
