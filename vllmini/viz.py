@@ -508,7 +508,9 @@ class PageTableExplorer:
     no ipympl needed). The status line and the picture are updated together, after the drawing. Errors
     such as running out of blocks are shown in the status line (and kept in `last_error`), never
     raised, and leave state and picture unchanged. A click right after typing always uses the typed
-    number (see the note in __init__); `click(name)` clicks a button from code.
+    number (see the note in __init__); `click(name)` clicks a button from code. In a Jupyter kernel the
+    drawing runs on a worker thread (`background`), so clicks are answered at once; `wait()` blocks
+    until the picture shows the current state.
     """
 
     CSS_PX_PER_INCH = 96  # the picture's natural size on the page
@@ -537,8 +539,8 @@ class PageTableExplorer:
         self.last_action = "empty pool: add a sequence"
         self.last_copies: list[tuple[int, int]] = []  # copy-on-write pairs of the last action
         self.history: list[str] = []  # what every successful action did, oldest first (reset empties it)
-        # In a kernel the picture is drawn on a worker thread, so a click is answered in a millisecond:
-        # the browser never holds a typed number back while the kernel is busy drawing.
+        # In a kernel the picture is drawn on a worker thread, so a click is answered in well under a
+        # millisecond and the browser seldom has to hold an update back (see the note on clicks below).
         self.background = _in_kernel() if background is None else bool(background)
         self._lock = threading.RLock()  # guards the manager and the explorer's state
         self._draw_lock = threading.Lock()  # guards the figure
@@ -551,7 +553,7 @@ class PageTableExplorer:
         FigureCanvasAgg(self.figure)  # renders PNGs headless
 
         self.num_tokens = _tokens_box(
-            value=block_size + 1,
+            value=self.block_size + 1,
             min=1,
             max=self.num_blocks * self.block_size,
             description="tokens",
