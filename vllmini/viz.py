@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import html
 import io
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -806,10 +807,16 @@ class PageTableExplorer:
         self.status.value = status
 
     def _work(self) -> None:
+        try:  # drawing yields the CPU to the kernel's main thread, which answers the browser
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        except (AttributeError, OSError):
+            pass  # not Linux: no per-thread priority
         while True:
             with self._wake:
                 while self._want is None:
                     self._wake.wait()
+                while self._wake.wait(timeout=0.03):  # let a quick run of clicks finish first
+                    pass
                 picture, self._want = self._want, None
             try:
                 self._update(picture)
