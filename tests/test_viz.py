@@ -1,6 +1,9 @@
 """Tests for vllmini.viz: the static page-table figure and the interactive explorer (driven by clicking its
 buttons programmatically). Viz must only read what it draws."""
 
+import io
+import re
+
 import matplotlib
 import pytest
 
@@ -12,6 +15,7 @@ from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.patches import FancyArrowPatch  # noqa: E402
 
 from vllmini import BlockAllocator, BlockManager, BlockTable  # noqa: E402
+from vllmini.errors import InvalidArgumentError, InvalidTypeError, VllminiError  # noqa: E402
 from vllmini.viz import PageTableExplorer, draw_page_table, seq_color  # noqa: E402
 
 
@@ -67,7 +71,9 @@ def test_figure_has_every_block_and_arrow():
             assert f"arrow:{s}:{i}->{b}" in gids  # the arrow points at the right physical block
     for b in range(16):
         assert f"physical:{b}" in gids
-    arrows = [p for p in fig.axes[0].patches if isinstance(p, FancyArrowPatch)]
+    arrows = [
+        p for p in fig.axes[0].patches if isinstance(p, FancyArrowPatch) and p.get_gid().startswith("arrow:")
+    ]
     assert len(arrows) == sum(m.block_table(s).num_blocks for s in m.seq_ids)
     labels = texts(fig)
     for s in m.seq_ids:
@@ -104,8 +110,8 @@ def test_partially_filled_blocks_show_their_tokens():
         assert labels.count(str(tok)) >= 2
     assert "6 tok" in labels[labels.index("seq x\n6 tok")]
     ax = fig.axes[0]
-    white = [p for p in ax.patches if p.get_facecolor()[:3] == (1.0, 1.0, 1.0) and p.get_width() == 1]
-    assert len(white) == 2 * 2  # two empty slots in logical L1 and the same two in physical block 1
+    white = [p for p in ax.patches if p.get_facecolor()[:3] == (1.0, 1.0, 1.0) and p.get_fill()]
+    assert sorted(p.get_width() for p in white) == [2, 2]  # two empty slots in L1, the same two in block 1
 
 
 def test_accepts_tables_dict_single_table_and_empty_manager():
@@ -125,6 +131,25 @@ def test_accepts_tables_dict_single_table_and_empty_manager():
     assert len(gids) == 6
 
 
+def test_draws_a_page_table_of_your_own():
+    """Notebook 03 draws the tables it builds itself: anything with block_ids, num_tokens, block_size and
+    allocator (and, optionally, pending_copies) is drawn like a BlockTable."""
+
+    class MyTable:
+        def __init__(self, allocator, ids, n):
+            self.allocator, self.block_size, self.block_ids, self.num_tokens = allocator, 4, ids, n
+            self.pending_copies = [(1, 2)] if n == 7 else []
+
+    a = BlockAllocator(4)
+    ids = [a.allocate(), a.allocate(), a.allocate()]
+    a.incref(ids[0])
+    fig = draw_page_table({"p": MyTable(a, ids[:2], 6), "c": MyTable(a, [ids[0], ids[2]], 7)}, a)
+    gids = patches_by_gid(fig)
+    assert {"arrow:p:1->1", "arrow:c:1->2", "copy:1->2"} <= set(gids)
+    assert "0 shared ×2" in texts(fig)
+    assert fig.axes[0].get_title().startswith("2 sequences, block_size 4: 3/4 blocks used, 9/12")
+
+
 def test_seq_ids_picks_which_sequences_to_draw():
     m = busy_manager()
     gids = patches_by_gid(draw_page_table(m, seq_ids=[2]))
@@ -134,18 +159,38 @@ def test_seq_ids_picks_which_sequences_to_draw():
 
 def test_bad_inputs_raise():
     a, b = BlockAllocator(2), BlockAllocator(2)
-    with pytest.raises(TypeError, match="BlockManager"):
+    with pytest.raises(InvalidTypeError, match="BlockManager"):
         draw_page_table([1, 2])
-    with pytest.raises(TypeError, match="BlockTable"):
+    with pytest.raises(InvalidTypeError, match="BlockTable"):
         draw_page_table({0: "table"}, a)
-    with pytest.raises(ValueError, match="allocator="):
+    with pytest.raises(InvalidArgumentError, match="allocator="):
         draw_page_table({})
-    with pytest.raises(ValueError, match="allocator"):
+    with pytest.raises(InvalidTypeError, match="allocator must be a BlockAllocator"):
+        draw_page_table({}, "pool")
+    with pytest.raises(InvalidArgumentError, match="allocator"):
         draw_page_table({0: BlockTable(a, 2)}, b)
-    with pytest.raises(ValueError, match="block_size"):
+    with pytest.raises(InvalidArgumentError, match="block_size"):
         draw_page_table({0: BlockTable(a, 2), 1: BlockTable(a, 4)})
-    with pytest.raises(ValueError, match=r"seq_ids \[9\]"):
+    with pytest.raises(InvalidArgumentError, match=r"seq_ids \[9\]"):
         draw_page_table(BlockManager(2, 2), seq_ids=[9])
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"max_pool_rows": 0}, "max_pool_rows must be >= 1, got 0"),  # was a ZeroDivisionError
+        ({"max_pool_rows": 2.5}, "max_pool_rows must be an int, got float 2.5"),
+        ({"max_blocks": 0}, "max_blocks must be >= 1, got 0"),
+        ({"max_seq_blocks": 2}, "max_seq_blocks must be >= 3, got 2"),
+        ({"max_seqs": True}, "max_seqs must be an int, got bool True"),
+    ],
+)
+def test_bad_limits_raise_clear_errors(kwargs, message):
+    m = busy_manager()
+    before = full_state(m)
+    with pytest.raises(VllminiError, match=re.escape(message)):
+        draw_page_table(m, **kwargs)
+    assert full_state(m) == before
 
 
 def test_draws_into_a_given_figure_or_axes():
@@ -172,8 +217,58 @@ def test_large_pool_wraps_into_columns_without_numbers():
     assert len(xs) == 3  # 40 blocks in columns of 16
     assert "100" not in texts(fig)  # block_size 16: cells too small for slot numbers
     m.allocate(1, 300)  # 19 more logical rows: the pool uses the height the figure has anyway
-    gids = patches_by_gid(draw_page_table(m, max_pool_rows=16))
+    gids = patches_by_gid(draw_page_table(m, max_pool_rows=16, max_seq_blocks=30))
     assert len({round(gids[f"physical:{b}"].get_x(), 3) for b in range(40)}) == 2
+
+
+def test_pending_copies_are_drawn_and_highlight_marks_blocks():
+    m = busy_manager()
+    ((src, dst),) = m.block_table(4).pending_copies  # seq 4's copy-on-write of block 6
+    gids = patches_by_gid(draw_page_table(m, highlight=[dst]))
+    assert f"copy:{src}->{dst}" in gids  # the copy pair, drawn between the two pool blocks
+    assert [g for g in gids if g.startswith("highlight:")] == [f"highlight:{dst}"]
+    m.take_pending_copies()
+    gids = patches_by_gid(draw_page_table(m))
+    assert not any(g.startswith(("copy:", "highlight:")) for g in gids)
+
+
+def test_big_pools_and_long_sequences_draw_only_what_fits():
+    """1000 blocks of 16 used to draw ~48k artists (23 s); now at most max_blocks pool blocks."""
+    m = BlockManager(1000, 16)
+    m.allocate(0, 300)  # 19 blocks: first 6, a gap row, the last one
+    m.allocate(1, 17)
+    m.fork(0, 2)
+    m.append(2, 3)  # copy-on-write of seq 0's last block
+    fig = draw_page_table(m, max_blocks=40, max_seq_blocks=8)
+    gids = patches_by_gid(fig)
+    physical = [g for g in gids if g.startswith("physical:")]
+    assert len(physical) == 40
+    for s in m.seq_ids:  # the last logical block of every sequence is drawn, with its arrow
+        ids = m.block_table(s).block_ids
+        assert f"arrow:{s}:{len(ids) - 1}->{ids[-1]}" in gids and f"physical:{ids[-1]}" in gids
+        assert f"physical:{m.allocator.free_block_ids[0]}" in gids  # the next free block too
+    assert "logical:0:6" not in gids and "logical:0:18" in gids
+    labels = texts(fig)
+    assert labels.count("⋮ 12 more blocks") == 2  # seq 0 and its fork
+    not_drawn = [t for t in labels if "not drawn" in t]
+    assert (
+        not_drawn
+        and sum(int(re.search(r"\((\d+)", t).group(1)) for t in not_drawn if "blocks" in t)
+        + sum(1 for t in not_drawn if t.startswith("⋮ block "))
+        == 1000 - 40
+    )
+    assert len(fig.axes[0].get_children()) < 1500  # bounded, whatever the pool size
+
+
+def test_many_sequences_are_summarized():
+    m = BlockManager(64, 4)
+    for s in range(64):
+        m.allocate(s, 1)
+    fig = draw_page_table(m, max_seqs=16)
+    gids = patches_by_gid(fig)
+    assert len([g for g in gids if g.startswith("logical:")]) == 16
+    assert "+ 48 more sequences not drawn" in texts(fig)
+    assert fig.axes[0].get_title().startswith("64 sequences, block_size 4: 64/64 blocks used")
 
 
 def test_drawing_never_changes_what_it_draws():
@@ -193,11 +288,43 @@ def test_explorer_starts_empty_and_displays():
     e = PageTableExplorer(num_blocks=8, block_size=4)
     assert e.manager.num_blocks == 8 and e.manager.seq_ids == []
     assert e.image.value[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "free list: [0, 1, 2, 3, 4, 5, 6, 7]" in e.status.value
+    assert "8 of 8 blocks free, next first: [0, 1, 2, 3, 4, 5, 6, 7]" in e.status.value
     assert e.widget.__class__.__name__ == "VBox"
     assert callable(e._ipython_display_) and callable(e.display)
     for button in (e.add_button, e.append_button, e.fork_button, e.free_button, e.reset_button):
-        assert button in e.widget.children[1].children
+        assert button in e.controls.children
+    assert e.num_tokens.continuous_update  # every keystroke reaches the kernel before a click can
+    assert [b.disabled for b in (e.add_button, e.append_button, e.fork_button, e.free_button)] == [
+        False, True, True, True
+    ]  # fmt: skip
+
+
+def test_explorer_picture_has_its_natural_size():
+    e = PageTableExplorer(num_blocks=8, block_size=4)
+    from PIL import Image
+
+    width, _ = Image.open(io.BytesIO(e.image.value)).size
+    css = int(e.image.layout.width.removesuffix("px"))
+    assert css == min(e.max_width, round(e.figure.get_figwidth() * e.CSS_PX_PER_INCH))  # natural size ...
+    assert width == pytest.approx(css * e.RENDER_SCALE, abs=2)  # ... rendered at 2x
+    assert e.image.layout.max_width == "100%"  # and never wider than the cell
+    big = PageTableExplorer(num_blocks=200, block_size=16)
+    assert big.image.layout.width == f"{big.max_width}px"  # a big picture: at most max_width
+    assert Image.open(io.BytesIO(big.image.value)).size[0] == pytest.approx(2 * big.max_width, abs=2)
+
+
+def test_explorer_buttons_say_what_they_do():
+    e = PageTableExplorer(num_blocks=8, block_size=4)
+    e.num_tokens.value = 1
+    assert e.add_button.description == "add a sequence of 1 token"
+    e.click("add")
+    e.num_tokens.value = 3
+    assert e.append_button.description == "append 3 tokens to seq 0"
+    assert (e.fork_button.description, e.free_button.description) == ("fork seq 0", "free seq 0")
+    assert e.seq_select.options == (("seq 0", 0),)  # labelled as in the picture
+    e.click("fork")
+    assert e.seq_select.value == 1 and e.append_button.description == "append 3 tokens to seq 1"
+    assert "forked seq 0 into seq 1 (now selected)" in e.status.value
 
 
 def test_explorer_buttons_change_state_and_picture():
@@ -205,58 +332,113 @@ def test_explorer_buttons_change_state_and_picture():
     png = e.image.value
 
     e.num_tokens.value = 6
-    e.add_button.click()
+    e.click("add")
     assert e.manager.seq_ids == [0] and e.manager.seq_len(0) == 6
-    assert e.seq_select.value == 0 and list(e.seq_select.options) == [0]
+    assert e.seq_select.value == 0
     assert e.image.value != png
     png = e.image.value
     assert "added seq 0 with 6 tokens" in e.status.value and e.last_error is None
 
     e.num_tokens.value = 3
-    e.append_button.click()
+    e.click("append")
     assert e.manager.seq_len(0) == 9 and e.manager.block_table(0).block_ids == [0, 1, 2]
     assert e.image.value != png
+    assert "appended 3 tokens to seq 0" in e.status.value
 
-    e.fork_button.click()
+    e.click("fork")
     assert e.manager.seq_ids == [0, 1] and e.seq_select.value == 1
     assert e.manager.allocator.ref_count(0) == 2
 
     e.num_tokens.value = 1
-    e.append_button.click()  # seq 1's last block is shared and partly full: copy-on-write
+    e.click("append")  # seq 1's last block is shared and partly full: copy-on-write
     assert e.manager.block_table(1).block_ids == [0, 1, 3]
+    assert "appended 1 token to seq 1" in e.status_text()  # not "1 tokens"
+    assert "copy-on-write: block 2 → 3" in e.status_text()
+    assert (
+        e.last_copies == [(2, 3)] and e.manager.take_pending_copies() == []
+    )  # taken, as a cache owner would
+    highlighted = patches_by_gid(e.figure)
+    assert "highlight:3" in highlighted  # the copy is highlighted once ...
 
     e.seq_select.value = 0
-    e.free_button.click()
+    e.click("free")
     assert e.manager.seq_ids == [1] and e.seq_select.value == 1
     assert e.manager.allocator.ref_count(0) == 1
+    assert not any(g.startswith("highlight:") for g in patches_by_gid(e.figure))  # ... and only once
 
+    assert e.history[0] == "added seq 0 with 6 tokens → slots [0, 1, 2, 3, 4, 5]" and len(e.history) == 5
     e.reset_button.click()
-    assert e.manager.seq_ids == [] and e.manager.num_free_blocks == 8
+    assert e.manager.seq_ids == [] and e.manager.num_free_blocks == 8 and e.history == []
     assert e.seq_select.value is None and "reset" in e.status.value
+
+
+def test_explorer_clicks_travel_with_the_tokens_box():
+    """The browser copies each toggle into the tokens box's flags (jsdlink), so a click arrives in the
+    tokens box's own message stream: in one message with a freshly typed number, it uses that number."""
+    e = PageTableExplorer(num_blocks=8, block_size=4)
+    targets = {
+        (link.source[0].model_id, link.target[1]) for link in e._links if link.target[0] is e.num_tokens
+    }
+    assert targets == {(e._buttons[n].model_id, f"{n}_click") for n in ("add", "append", "fork", "free")}
+    e.num_tokens.set_state({"value": 7, "add_click": True})  # the message the browser sends
+    assert e.manager.seq_len(0) == 7 and "added seq 0 with 7 tokens" in e.status_text()
+    e.num_tokens.set_state({"value": 2, "append_click": True})
+    assert e.manager.seq_len(0) == 9
+    with pytest.raises(InvalidArgumentError, match="name must be one of"):
+        e.click("reset")
+
+
+def test_explorer_status_and_picture_change_together(monkeypatch):
+    """The status line is set after the new picture, never before it (no 0.5 s of disagreement)."""
+    e = PageTableExplorer(num_blocks=8, block_size=4)
+    order = []
+    e.image.observe(lambda _: order.append("image"), "value")
+    e.status.observe(lambda _: order.append("status"), "value")
+    e.add_sequence(3)
+    assert order == ["image", "status"]
+
+
+def test_explorer_draws_in_the_background_in_a_kernel():
+    """In a kernel a click only changes state and wakes a drawing thread, so the kernel answers the
+    browser at once; wait() returns when picture and status show the new state, together."""
+    e = PageTableExplorer(num_blocks=8, block_size=4, background=True)
+    assert e.wait(60)
+    png = e.image.value
+    for n in (3, 2, 5):  # three clicks in a row: each applied at once, the drawing catches up
+        e.num_tokens.value = n
+        e.click("add")
+    assert e.manager.seq_ids == [0, 1, 2] and [e.manager.seq_len(s) for s in (0, 1, 2)] == [3, 2, 5]
+    assert e.wait(60)
+    assert e.image.value != png and "added seq 2 with 5 tokens" in e.status.value
+    assert "4 of 8 blocks free" in e.status.value
+    assert patches_by_gid(e.figure).keys() >= {"logical:2:1", "arrow:2:1->3"}
+    e.add_sequence(100)  # an error: the status says it, the picture stays
+    png = e.image.value
+    assert e.wait(60) and "error: OutOfBlocksError" in e.status.value and e.image.value == png
 
 
 def test_explorer_out_of_blocks_shows_error_and_changes_nothing():
     e = PageTableExplorer(num_blocks=4, block_size=4)
     e.num_tokens.value = 10
-    e.add_button.click()
+    e.click("add")
     before, png = full_state(e.manager), e.image.value
     e.num_tokens.value = 16
-    e.add_button.click()  # needs 4 blocks, 1 left
+    e.click("add")  # needs 4 blocks, 1 left
     assert "OutOfBlocksError" in e.last_error
     assert "error: OutOfBlocksError" in e.status.value
     assert full_state(e.manager) == before
     assert e.image.value == png  # same state, same picture
-    e.append_button.click()  # 10 + 16 tokens: also too many
+    e.click("append")  # 10 + 16 tokens: also too many
     assert "OutOfBlocksError" in e.last_error and full_state(e.manager) == before
     e.num_tokens.value = 2
-    e.append_button.click()  # fits: the error goes away
+    e.click("append")  # fits: the error goes away
     assert e.last_error is None and e.manager.seq_len(0) == 12
 
 
 def test_explorer_without_a_sequence_reports_it():
     e = PageTableExplorer(num_blocks=4, block_size=2)
-    for button in (e.append_button, e.fork_button, e.free_button):
-        button.click()
+    for name in ("append", "fork", "free"):
+        e.click(name)  # disabled in the browser; a click from code still gets an answer
         assert e.last_error == "no sequence selected: add one first"
         assert "no sequence selected" in e.status.value
     assert e.manager.seq_ids == []
@@ -276,11 +458,46 @@ def test_explorer_methods_can_be_called_directly():
     assert e.add_sequence(1) == 2  # ids are never reused, so colours stay put
 
 
+def test_explorer_shows_only_vllmini_errors(monkeypatch):
+    """Deliberate errors (VllminiError) go to the status line; a bug anywhere else is raised."""
+    e = PageTableExplorer(num_blocks=4, block_size=2)
+    e.add_sequence(1)
+
+    def broken(*args):
+        raise RuntimeError("a bug, not a user error")
+
+    monkeypatch.setattr(e.manager, "append", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        e.append(0, 1)
+
+
+def test_explorer_rejects_bad_sizes():
+    with pytest.raises(InvalidArgumentError, match="num_blocks must be >= 1, got 0"):
+        PageTableExplorer(num_blocks=0)
+    with pytest.raises(InvalidTypeError, match="block_size must be an int"):
+        PageTableExplorer(block_size=2.0)
+
+
+def test_explorer_stays_small_on_a_big_pool():
+    """PageTableExplorer(1000, 16) took 23 s to build; 64 one-token adds on 64 blocks 37 s. The drawing is
+    now bounded: count the artists (a wall-clock bound would be flaky on a shared machine)."""
+    e = PageTableExplorer(num_blocks=1000, block_size=16)
+    assert e.add_sequence(300) == 0
+    assert len(e.figure.axes[0].get_children()) < 1000
+    assert len([g for g in patches_by_gid(e.figure) if g.startswith("physical:")]) <= 64
+    e = PageTableExplorer(num_blocks=64, block_size=4)
+    for s in range(63):  # 63 sequences straight into the manager (no picture each), then one click
+        e.manager.allocate(f"s{s}", 1)
+    e.num_tokens.value = 1
+    e.click("add")
+    assert e.last_error is None and e.manager.num_free_blocks == 0
+    assert len(e.figure.axes[0].get_children()) < 1500
+    assert e.add_sequence(1) is None and "OutOfBlocksError" in e.last_error
+
+
 def test_explorer_displays_its_widget_with_a_text_hint(monkeypatch):
     """In JupyterLab the widget view renders; a saved, unrun notebook shows a hint, not VBox(...)."""
     import IPython.display
-
-    from vllmini.viz import PageTableExplorer
 
     shown = []
     monkeypatch.setattr(IPython.display, "display", lambda obj, raw=False: shown.append((obj, raw)))
