@@ -93,16 +93,16 @@ def shape_grid(args) -> list[tuple]:
 def make_dataset(batch, context, heads, kv_heads, head_size, dtype, block_size, device, seed, identity=False):
     """K/V made contiguous, then scattered through random block tables into a NaN pool ~2x the need."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    pages_per_seq = -(-context // block_size)
+    k = torch.randn(batch, context, kv_heads, head_size, generator=gen, device=device).to(dtype)
+    v = torch.randn(batch, context, kv_heads, head_size, generator=gen, device=device).to(dtype)
+    q = torch.randn(batch, heads, head_size, generator=gen, device=device).to(dtype)
+    pages_per_seq = -(-context // block_size)  # the same K, V, q for any block size; only the paging differs
     num_blocks = 2 * batch * pages_per_seq
     perm = torch.randperm(num_blocks, generator=gen, device=device)
     if identity:
         perm = torch.arange(num_blocks, device=device)
     block_tables = perm[: batch * pages_per_seq].view(batch, pages_per_seq).to(torch.int32)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-    k = torch.randn(batch, context, kv_heads, head_size, generator=gen, device=device).to(dtype)
-    v = torch.randn(batch, context, kv_heads, head_size, generator=gen, device=device).to(dtype)
-    q = torch.randn(batch, heads, head_size, generator=gen, device=device).to(dtype)
     pos = torch.arange(context, device=device)
     slots = block_tables.long()[:, pos // block_size] * block_size + pos % block_size  # (B, L)
     pool_shape = (num_blocks, block_size, kv_heads, head_size)
