@@ -33,6 +33,7 @@ import datetime
 import itertools
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +64,7 @@ def parse_args(argv=None):
     p.add_argument("--preset", choices=["h200"], help="shapes (a)-(f), D=128, bs=16, fp16+fp32")
     p.add_argument("--versions", type=int, nargs="*", help="kernel versions to time (default: all present)")
     p.add_argument("--block-sizes", type=int, nargs="*", default=[], help="extra block sizes, best kernel")
+    p.add_argument("--variants", nargs="*", default=[], help=".cu files timed as variants of version 5")
     p.add_argument("--json", help="write the rows and the run's facts to this JSON file")
     p.add_argument("--repeats", type=int, help="timed calls per backend (default 30 on GPU, 7 on CPU)")
     p.add_argument("--quick", action="store_true", help="fewer shapes and repeats: a smoke test")
@@ -178,7 +180,7 @@ def measure_read_bandwidth(device: str, repeats: int) -> float:
 # ----------------------------------------------------------------------------- main
 
 
-def kernel_call(args_, version: int, guard: bool, tables=None):
+def kernel_call(args_, version: int, guard: bool, tables=None, source=None):
     """The kernel alone on validated inputs (what the public call launches after its checks)."""
     a = args_
     bt = a.block_tables if tables is None else tables
@@ -188,7 +190,7 @@ def kernel_call(args_, version: int, guard: bool, tables=None):
         out = torch.empty_like(a.query)
         return cuda_kernels.paged_attention_kernel(
             a.query, a.key_cache, a.value_cache, bt, a.seq_lens, a.scale, out, "cupy", version=version,
-            error=error,
+            error=error, source=source,
         )  # fmt: skip
 
     return fn
@@ -214,6 +216,8 @@ def calls_for(args, shape, data, scale, q4, kc, vc) -> dict:
             calls[f"v{n} kernel"] = kernel_call(a, n, v.guard)
             if v.guard:
                 calls[f"v{n} no guard"] = kernel_call(a, n, False)
+        for path in args.variants:  # other texts of version 5's file, same launch (tuning experiments)
+            calls[f"v5 variant {Path(path).stem}"] = kernel_call(a, 5, True, source=Path(path).read_text())
         calls["public call"] = lambda: vllmini.paged_attention(*data["paged"], scale, backend="cupy")
         if 4 in present:
             calls["public v4 + host check"] = lambda: vllmini.paged_attention(

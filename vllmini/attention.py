@@ -552,7 +552,7 @@ def paged_attention(
     error = kernel_error_buffer(a.query.device) if mode == "guard" else None
     cuda_kernels.paged_attention_kernel(
         a.query, a.key_cache, a.value_cache, a.block_tables, a.seq_lens, a.scale, out, runtime=backend,
-        version=version.number, error=error,
+        version=version, error=error, _validated=True,
     )  # fmt: skip
     return out
 

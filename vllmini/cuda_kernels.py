@@ -80,9 +80,14 @@ VERSIONS: tuple[KernelVersion, ...] = (
 )
 
 
+@functools.cache
+def _present_versions() -> tuple[KernelVersion, ...]:
+    return tuple(v for v in VERSIONS if v.available())  # looked up once: file checks cost ~100 us a call
+
+
 def kernel_versions() -> dict[int, KernelVersion]:
-    """The versions whose .cu file is present, by number."""
-    return {v.number: v for v in VERSIONS if v.available()}
+    """The versions whose .cu file is present (when first asked), by number."""
+    return {v.number: v for v in _present_versions()}
 
 
 def resolve_kernel_version(version: int | str | None, dtype: torch.dtype | None = None) -> KernelVersion:
@@ -368,10 +373,11 @@ def paged_attention_kernel(
     out: torch.Tensor,  # [num_seqs, num_heads, head_size], query's dtype, written
     runtime: str = "cupy",
     *,
-    version: int | str | None = None,
+    version: KernelVersion | int | str | None = None,
     error: torch.Tensor | None = None,  # int32 [5] guard record (versions with guard=True), or None
     num_splits: int | None = None,
     source: str | None = None,
+    _validated: bool = False,
 ) -> torch.Tensor:
     """Launch one kernel version (None: the best, resolve_kernel_version) on validated, contiguous
     inputs; fills and returns out. Sync-free: nothing is read back from the device.
@@ -381,10 +387,16 @@ def paged_attention_kernel(
     rows come out NaN and the first one is recorded in `error` (vllmini.attention.check_kernel_errors).
     Without it the kernel trusts the tables. `num_splits` forces version 5's context split (tests).
     `source` (cupy only) launches another text with the same arguments, for benchmarks of variants."""
-    v = resolve_kernel_version(version, query.dtype)
-    tensors = (query, key_cache, value_cache, block_tables, seq_lens, out)
-    names = ("query", "key_cache", "value_cache", "block_tables", "seq_lens", "out")
-    _check_launch_inputs(runtime, tensors, names, query, key_cache, v)
+    v = version if isinstance(version, KernelVersion) else resolve_kernel_version(version, query.dtype)
+    if _validated:  # vllmini.paged_attention checked dtypes, shapes, devices and layout already
+        if v.number > 1 and query.shape[2] > MAX_HEAD_SIZE:
+            raise InvalidArgumentError(
+                f"kernel version {v.number} supports head_size <= {MAX_HEAD_SIZE}, got {query.shape[2]}"
+            )
+    else:
+        tensors = (query, key_cache, value_cache, block_tables, seq_lens, out)
+        names = ("query", "key_cache", "value_cache", "block_tables", "seq_lens", "out")
+        _check_launch_inputs(runtime, tensors, names, query, key_cache, v)
     if out.dtype != query.dtype or out.shape != query.shape:
         raise InvalidArgumentError(
             f"out must be {query.dtype} {tuple(query.shape)}, got {out.dtype} {tuple(out.shape)}"
