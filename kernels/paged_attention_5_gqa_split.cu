@@ -381,6 +381,7 @@ __device__ void attend(typename Dtype::storage* __restrict__ out, float* __restr
             float pu[HBMAX];
 #pragma unroll
             for (int h = 0; h < HBMAX; h++) pu[h] = __shfl_sync(0xffffffffu, p[h], src);
+            if (start + u >= t_end) continue;  // a re-read copy: p = 0, but 0 * inf would be NaN
 #pragma unroll
             for (int i = 0; i < DIMS; i++) {
                 const float vx = element<Dtype>(v[u], i);

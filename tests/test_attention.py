@@ -22,6 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import vllmini
+from vllmini import cuda_kernels
 from vllmini.attention import (
     BACKENDS,
     paged_attention,
@@ -389,7 +390,8 @@ def test_auto_prefers_the_kernel_only_where_it_applies(monkeypatch):
 
 def test_validation_happens_before_any_backend(monkeypatch):
     fake = types.ModuleType("vllmini.cuda_kernels")
-    fake.paged_attention_v1 = lambda *a, **k: pytest.fail("kernel called with invalid input")
+    fake.paged_attention_kernel = lambda *a, **k: pytest.fail("kernel called with invalid input")
+    fake.resolve_kernel_version = cuda_kernels.resolve_kernel_version
     monkeypatch.setitem(sys.modules, "vllmini.cuda_kernels", fake)
     case = bad(seq_lens=torch.tensor([5, 0], dtype=torch.int32))
     with pytest.raises(ValueError, match="seq_lens"):
@@ -397,17 +399,18 @@ def test_validation_happens_before_any_backend(monkeypatch):
 
 
 def test_kernel_backends_get_normalized_inputs_and_preallocated_out(monkeypatch):
-    """The contract with vllmini.cuda_kernels.paged_attention_v1 (helper D2's module)."""
+    """The contract with vllmini.cuda_kernels.paged_attention_kernel."""
     seen = {}
 
-    def fake_kernel(query, key_cache, value_cache, block_tables, seq_lens, scale, out, runtime):
+    def fake_kernel(query, key_cache, value_cache, block_tables, seq_lens, scale, out, runtime, **kw):
         seen.update(locals())
         out.copy_(
             paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, backend="torch")
         )
 
     fake = types.ModuleType("vllmini.cuda_kernels")
-    fake.paged_attention_v1 = fake_kernel
+    fake.paged_attention_kernel = fake_kernel
+    fake.resolve_kernel_version = cuda_kernels.resolve_kernel_version
     monkeypatch.setitem(sys.modules, "vllmini.cuda_kernels", fake)
     case = make_decode_case(17, 3, 4, 2, 64, 8, (1, 8, 9))
     case["block_tables"] = case["block_tables"].long()
@@ -417,6 +420,7 @@ def test_kernel_backends_get_normalized_inputs_and_preallocated_out(monkeypatch)
     assert seen["block_tables"].dtype == torch.int32 and seen["seq_lens"].dtype == torch.int32
     assert all(seen[k].is_contiguous() for k in (*DECODE_KEYS, "out"))
     assert seen["scale"] == 64**-0.5
+    assert seen["kw"]["version"].number == 5 and seen["kw"]["error"] is None  # CPU: host check, no guard
     assert_close(out, reference_decode(case))
 
 

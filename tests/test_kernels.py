@@ -122,7 +122,10 @@ def test_every_kernel_compiles_with_nvrtc(path, arch):
             cuda_kernels.nvrtc_version()
         except RuntimeError as e:
             pytest.skip(f"NVRTC not installed here: {e}")
-    cubin = cuda_kernels.compile_for_arch(path.read_text(), arch, name=path.name)
+    # version 5 holds 48 copies of its loop (3 dtypes x 8 head-size chunks x GQA or not) and a GPU build
+    # compiles one chunk's copies at a time (cuda_kernels.launch_plan); here too: minutes -> seconds
+    options = ("-DVLLMINI_ONLY_CHUNKS=4",) if "VLLMINI_ONLY_CHUNKS" in path.read_text() else ()
+    cubin = cuda_kernels.compile_for_arch(path.read_text(), arch, name=path.name, options=options)
     assert cubin[:4] == b"\x7fELF"  # a cubin is an ELF file
 
 
@@ -205,6 +208,7 @@ def test_emulator_checked_mode_sees_no_out_of_bounds_access(bad_page):
     from vllmini.emulator import RawKernel
 
     case = make_decode_case(23, 3, 4, 2, 80, 8, (1, 8, 17))
+    expected = reference_decode(case)
     if bad_page is not None:
         case["block_tables"][2, 1] = bad_page  # token 8 of sequence 2
     out = torch.empty_like(case["query"])
@@ -221,12 +225,12 @@ def test_emulator_checked_mode_sees_no_out_of_bounds_access(bad_page):
     kernel(plan.grid, plan.block, (*args, np.float32(case["scale"])), shared_mem=plan.shared_mem)
     merge((num_seqs, num_heads), (128,), (out, part_out, part_ml, np.int32(plan.num_splits), np.int32(80)))
     if bad_page is None:
-        assert_close(out, reference_decode(case))
+        assert_close(out, expected)
         assert error.tolist() == [0] * 5
     else:
         assert out[2].isnan().all()
-        assert_close(out[:2], reference_decode(case)[:2])
-        assert error.tolist() == [1, 2, 1, bad_page if bad_page < 2**31 else bad_page, case["num_blocks"]]
+        assert_close(out[:2], expected[:2])
+        assert error.tolist() == [1, 2, 1, bad_page, case["num_blocks"]]
 
 
 def test_emulator_handles_a_context_longer_than_any_fixed_buffer():
@@ -264,7 +268,7 @@ def test_launcher_refuses_what_the_kernel_cannot_do():
     with pytest.raises(ValueError, match="runtime must be one of"):
         launch(case, "numba")
     double = {k: (v.double() if k in ("query", "key_cache", "value_cache") else v) for k, v in case.items()}
-    with pytest.raises(TypeError, match="got query of torch.float64"):
+    with pytest.raises(TypeError, match="no paged-attention kernel takes torch.float64"):
         launch(double, "emulator")
     mixed = dict(case, key_cache=case["key_cache"].half())
     with pytest.raises(TypeError, match="key_cache must have the query's dtype torch.float32"):
@@ -314,11 +318,12 @@ def test_guard_on_the_emulator_without_the_host_check(page):
     """validate="guard": no host check; the kernel never reads the bad page, the sequence's rows are NaN,
     the other sequences are right, and check_kernel_errors() raises once, naming the entry."""
     case = make_decode_case(37, 3, 4, 2, 64, 8, (9, 4, 20))
+    expected = reference_decode(case)
     case["block_tables"][0, 1] = page  # token 8 of sequence 0 lives in this page
-    check_kernel_errors()  # start clean
+    kernel_error_buffer("cpu").zero_()  # start clean
     out = decode(case, "emulator", validate="guard")
     assert out[0].isnan().all() and not out[1:].isnan().any()
-    assert_close(out[1:], reference_decode(case)[1:])
+    assert_close(out[1:], expected[1:])
     with pytest.raises(
         InvalidBlockTableError, match=rf"block_tables\[0, 1\] = {page} is not a block id in \[0, "
     ):

@@ -250,7 +250,7 @@ def _emulator_kernel(file: str, function: str):
 # ----------------------------------------------------------------------------- launching any version
 
 EMULATOR_SMS = 4  # the "multiprocessors" launch_plan assumes for the emulator (a CPU runs blocks one by one)
-SPLIT_TARGET_BLOCKS_PER_SM = 4  # version 5 splits contexts until the grid has this many blocks per SM
+SPLIT_TARGET_BLOCKS_PER_SM = 8  # version 5 splits contexts until the grid has this many blocks per SM
 MIN_SPLIT_TOKENS = (
     256  # ... but never into pieces shorter than this (the merge would cost more than it gains)
 )
