@@ -25,11 +25,14 @@ import vllmini
 from vllmini import cuda_kernels
 from vllmini.attention import (
     BACKENDS,
+    check_kernel_errors,
+    cupy_usable,
     paged_attention,
     paged_prefill_attention,
     resolve_backend,
     validate_decode_args,
 )
+from vllmini.errors import InvalidBlockTableError
 
 DECODE_KEYS = ("query", "key_cache", "value_cache", "block_tables", "seq_lens")
 
@@ -467,7 +470,14 @@ def test_out_of_range_pages_and_prefill_errors_on_cuda():
     case["block_tables"] = case["block_tables"].long()
     case["block_tables"][1, 1] = 2**40
     with pytest.raises(ValueError, match=r"block_tables\[1, 1\] = 1099511627776 is not a block id"):
-        _call(_to_cuda(case))
+        _call(_to_cuda(case))  # the torch backend: host check
+    if cupy_usable():  # the kernel's default on CUDA: the guard, the id clamped to int32 (still out of range)
+        out = decode(_to_cuda(case), "cupy")
+        assert out[1].isnan().all()
+        with pytest.raises(
+            InvalidBlockTableError, match=r"block_tables\[1, 1\] = 2147483647 is not a block id"
+        ):
+            check_kernel_errors()
     case = make_prefill_case(16, 4, 2, 64, 8, (9, 12), (3, 12), device="cuda")
     case["query_start_loc"] = torch.tensor([0, 10, 15], dtype=torch.int32, device="cuda")
     with pytest.raises(ValueError, match=r"sequence 0 has 10 query .* seq_lens\[0\] = 9"):

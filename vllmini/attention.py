@@ -200,7 +200,10 @@ def _check_table_shapes(key_cache: torch.Tensor, block_tables, seq_lens, num_seq
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:
-    """Contiguous int32 (free when it already is)."""
+    """Contiguous int32 (free when it already is). int64 values outside int32 are clamped, not wrapped,
+    so an id like 2**40 stays out of range for the in-kernel guard instead of becoming a valid id."""
+    if t.dtype == torch.int64:
+        t = t.clamp(-(2**31), 2**31 - 1)
     return t.to(torch.int32).contiguous()
 
 
@@ -541,7 +544,7 @@ def paged_attention(
     num_seqs = a.query.shape[0]
     lens = None
     if mode == "host" and num_seqs:
-        bt, lens = _host_view(a.block_tables, a.seq_lens)
+        bt, lens = _host_view(block_tables, seq_lens)  # the caller's values (int64 ones unclamped)
         lens = _check_tables_host(bt, lens, a.key_cache.shape[0], a.key_cache.shape[1])
         a = a._replace(max_seq_len=int(lens.max()))
     if num_seqs == 0:
