@@ -8,6 +8,16 @@ run the same source:
 compile_for_arch() compiles a source for a given GPU architecture with CuPy's low-level NVRTC binding; it
 needs neither a GPU nor a driver (only the nvidia-cuda-nvrtc wheel), which is how CI checks every kernel.
 
+Kernel versions: kernels/paged_attention_<n>_<what it adds>.cu, one file per idea (VERSIONS; a version
+whose file is missing is simply absent from kernel_versions()). `paged_attention_kernel` launches any of
+them the same way on either runtime. The rule for backend="cupy" (and "emulator") when no version is
+asked for: the highest-numbered version present that has an entry point for the dtype -- today version
+5 for float32, float16 and bfloat16 alike, since it is at or near the read ceiling on every shape
+measured (benchmarks/RESULTS.md). Version 5 then chooses its own work split (launch_plan): one block per
+group of query heads sharing a KV head (GQA), and a context split when the batch gives fewer than
+SPLIT_TARGET_BLOCKS_PER_SM blocks per SM. `vllmini.paged_attention(..., kernel_version=n)` selects
+another version for teaching and benchmarking.
+
 Callers normally go through vllmini.paged_attention(..., backend="cupy"|"emulator"), which validates the
 inputs first; the launchers here assume validated, contiguous inputs.
 """
