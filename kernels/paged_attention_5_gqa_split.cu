@@ -436,7 +436,8 @@ __device__ void attend(typename Dtype::storage* __restrict__ out, float* __restr
         }
         const long long row = (long long)seq * num_heads + head0 + h;  // (sequence, query head)
         if (num_splits == 1) {
-            out[row * head_size + d] = Dtype::from_float(bad ? NAN : numer / denom);
+            // no finite score at all (every one -inf): attend to nothing, 0, as the torch backend does
+            out[row * head_size + d] = Dtype::from_float(bad ? NAN : (denom == 0.0f ? 0.0f : numer / denom));
         } else {
             // an empty split (past the end of a shorter sequence) has denom 0: weight 0 in the merge
             part_out[(row * num_splits + split) * head_size + d] = bad ? NAN : (denom > 0.0f ? numer / denom : 0.0f);
@@ -576,7 +577,7 @@ __device__ void merge(typename Dtype::storage* __restrict__ out, const float* __
         for (int s = 0; s < num_splits; s++) {
             numer += ml[2 * s + 1] * exp2f(ml[2 * s] - m_use) * part_out[(row * num_splits + s) * head_size + d];
         }
-        out[row * head_size + d] = Dtype::from_float(numer / denom);
+        out[row * head_size + d] = Dtype::from_float(denom == 0.0f ? 0.0f : numer / denom);  // NaN stays NaN
     }
 }
 

@@ -181,6 +181,37 @@ def test_empty_batch():
     assert out.shape == (0, 4, 64)
 
 
+@pytest.mark.parametrize("backend", ["torch", "emulator"])
+def test_empty_tables_from_the_block_manager(backend):
+    """build_block_tables([]) gives (0, 0) tables: an empty output, not an error (issue 15, item 13)."""
+    bm = vllmini.BlockManager(num_blocks=4, block_size=8)
+    tables, lens = bm.build_block_tables([])
+    assert tables.shape == (0, 0)
+    kc = torch.zeros(4, 8, 2, 64)
+    out = paged_attention(torch.zeros(0, 4, 64), kc, kc.clone(), tables, lens, backend=backend)
+    assert out.shape == (0, 4, 64)
+
+
+@pytest.mark.parametrize("backend", ["torch", "emulator"])
+def test_all_scores_minus_inf_give_zero_rows(backend):
+    """When every score of a sequence is -inf the softmax is 0/0; vllmini's choice is a zero row (attend
+    to nothing, as SDPA does for fully masked rows): the torch backend, the kernel (version 5) and the
+    float64 reference agree (issue 15, item 8). Versions 2-4 give NaN there."""
+    case = make_decode_case(11, 1, 2, 2, 64, 8, (13,))
+    for t in range(13):  # k[0] = +inf, q[0] = -1: every score -inf for both heads
+        page = int(case["block_tables"][0, t // 8])
+        case["key_cache"][page, t % 8, :, 0] = float("inf")
+    case["query"][0, :, 0] = -1.0
+    ref = reference_decode(case)
+    assert torch.equal(ref, torch.zeros_like(ref))
+    assert torch.equal(decode(case, backend), torch.zeros_like(case["query"]))
+    if backend == "emulator":  # and with the context split in two pieces, merged
+        out = torch.empty_like(case["query"])
+        args = [case[k] for k in DECODE_KEYS]
+        cuda_kernels.paged_attention_kernel(*args, case["scale"], out, "emulator", num_splits=2)
+        assert torch.equal(out, torch.zeros_like(out))
+
+
 def test_single_token_prefill_equals_decode():
     case = make_decode_case(11, 4, 8, 2, 64, 8, (1, 7, 8, 9))
     case["query_start_loc"] = torch.arange(5, dtype=torch.int32)
