@@ -8,6 +8,7 @@ default dispatch, enable_gqa for GQA); "torch gather" = `paged_attention(backend
 kernel version N alone (`cuda_kernels.paged_attention_kernel` on validated inputs; version 5 with its
 in-kernel guard on, as the public call runs it); "v5 no guard" = the same without the guard (its cost);
 "v5 identity table" = the same kernel over an identity block table (paging's cost; not re-validated);
+"(graph)" rows (--graphs) = the call captured once in a torch.cuda.CUDAGraph and replayed (no host time);
 "public call" = `paged_attention(..., backend="cupy")` with default arguments; "public v4 + host check"
 = the call as it was before version 5 (kernel 4, validate=True: one host sync). "read ceiling" = a
 torch.sum over as many bytes as the shape's K and V (a pure-read kernel).
@@ -64,6 +65,7 @@ def parse_args(argv=None):
     p.add_argument("--preset", choices=["h200"], help="shapes (a)-(f), D=128, bs=16, fp16+fp32")
     p.add_argument("--versions", type=int, nargs="*", help="kernel versions to time (default: all present)")
     p.add_argument("--block-sizes", type=int, nargs="*", default=[], help="extra block sizes, best kernel")
+    p.add_argument("--graphs", action="store_true", help="also time v5 and the public call as CUDA graphs")
     p.add_argument("--variants", nargs="*", default=[], help=".cu files timed as variants of version 5")
     p.add_argument("--json", help="write the rows and the run's facts to this JSON file")
     p.add_argument("--repeats", type=int, help="timed calls per backend (default 30 on GPU, 7 on CPU)")
@@ -256,6 +258,19 @@ def bench_shape(args, shape, repeats, flush, read_bw, bar, notes) -> list[dict]:
         results[b] = (time_fn(fn, device, repeats, flush), err)
         bar.update()
     on_gpu = flush is not None
+    if on_gpu and args.graphs:  # the same calls captured in a CUDA graph: the GPU's time without the host's
+        for b in [b for b in ("v5 kernel", "public call") if b in calls]:
+            calls[b]()  # warm (compiles, the error buffer) before capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = calls[b]()
+            graph.replay()
+            err = rel_err(captured, ref)
+            if not err <= MAX_REL_ERR[dtype]:
+                raise SystemExit(f"MISMATCH {label} {b} (graph): relative L2 error {err:.2e}")
+            results[f"{b} (graph)"] = (time_fn(graph.replay, device, repeats, flush), err)
+            del graph, captured
     if on_gpu:
         if "v5 kernel" in results:  # the same kernel over an identity table: what paging costs
             ident = make_dataset(batch, context, heads, kv_heads, head_size, dtype, block_size, device,
