@@ -162,8 +162,9 @@ def tier_bench():
     bench = ROOT / "benchmarks" / "bench_attention.py"
     if bench.exists():
         OUT.mkdir(parents=True, exist_ok=True)
-        cmd = [py, str(bench), "--preset", "h200", "--dtype", "float16", "bfloat16", "float32", "--json",
-               str(OUT / "h200_attention.json"), "--plot", str(OUT / "h200_attention.png")]  # fmt: skip
+        files = ["--json", str(OUT / "h200_attention.json"), "--plot", str(OUT / "h200_attention.png")]
+        cmd = [py, str(bench), "--preset", "h200", "--dtype", "float16", "bfloat16", "float32",
+               "--block-sizes", "8", "32", "64", "128", "--graphs", *files]  # fmt: skip
         run_item("bench", "bench_attention --preset h200", cmd, 420, deadline)
     else:
         record_skip("bench", "bench_attention", "benchmarks/bench_attention.py not present")

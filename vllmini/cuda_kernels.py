@@ -44,6 +44,7 @@ WARP_SIZE = 32
 MAX_HEAD_SIZE = 256  # versions 2-5: head_size / 32 floats per lane in registers
 MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
 DEFAULT_SHARED_BYTES = 48 * 1024  # dynamic shared memory a block gets without opting in
+MAX_SHARED_BYTES = 232448  # the most an H100/H200 block may opt into (227 KiB); less on older GPUs
 DTYPE_SUFFIX = {torch.float32: "", torch.float16: "_f16", torch.bfloat16: "_bf16"}  # entry point suffixes
 
 
@@ -425,6 +426,11 @@ def paged_attention_kernel(
         v, num_seqs, num_heads, num_kv_heads, head_size, block_size, max_num_blocks_per_seq, query.dtype, sms,
         num_splits,
     )  # fmt: skip
+    if plan.shared_mem > MAX_SHARED_BYTES:  # version 1 keeps every score of the context in shared memory
+        raise InvalidArgumentError(
+            f"kernel version {v.number} needs {plan.shared_mem} bytes of shared memory for a block table of "
+            f"{max_num_blocks_per_seq} x {block_size} tokens; at most {MAX_SHARED_BYTES} (H100/H200)"
+        )
     # the kernels read 16-byte vectors: a view that starts mid-row (a rare, odd storage offset) is copied
     query, key_cache, value_cache = (
         t if t.data_ptr() % 16 == 0 else t.clone() for t in (query, key_cache, value_cache)
