@@ -1,14 +1,24 @@
-"""Decode-attention benchmark: every paged_attention backend against contiguous SDPA on the same data.
+"""Decode-attention benchmark: every paged_attention backend and kernel version against contiguous SDPA.
 
 For each shape it builds ONE random dataset: K/V generated contiguously, then scattered into a pool
 about twice the size needed through random non-identity block tables (unused pages and slots NaN).
-Every backend's output is checked against a float64 reference first (the run aborts on a mismatch),
-then timed through the public call `vllmini.paged_attention(..., backend=b)` (host-side validation
-included, as a user pays it) and `scaled_dot_product_attention` on the contiguous copy.
+Every row's output is checked against a float64 reference first (the run aborts on a mismatch), then
+timed. Rows (GPU): "sdpa (contiguous)" = `scaled_dot_product_attention` on the contiguous copy (torch's
+default dispatch, enable_gqa for GQA); "torch gather" = `paged_attention(backend="torch")`; "vN kernel" =
+kernel version N alone (`cuda_kernels.paged_attention_kernel` on validated inputs; version 5 with its
+in-kernel guard on, as the public call runs it); "v5 no guard" = the same without the guard (its cost);
+"v5 identity table" = the same kernel over an identity block table (paging's cost; not re-validated);
+"(graph)" rows (--graphs) = the call captured once in a torch.cuda.CUDAGraph and replayed (no host time);
+"public call" = `paged_attention(..., backend="cupy")` with default arguments; "public v4 + host check"
+= the call as it was before version 5 (kernel 4, validate=True: one host sync). "read ceiling" = a
+torch.sum over as many bytes as the shape's K and V (a pure-read kernel).
 
     python benchmarks/bench_attention.py                      # small CPU grid, < 1 minute
     python benchmarks/bench_attention.py --device cuda --preset h200 --csv h200.csv --plot h200.png
     python benchmarks/bench_attention.py --batch 1 4 --context 16 40 --emulator   # the CPU emulator
+
+--block-sizes 8 16 32 64 128 adds kernel 5 at other block sizes on the first shape (same data, re-paged).
+--json writes the rows for notebook 07 (benchmarks/h200_attention.json is the recorded run).
 
 Bandwidth = bytes of K+V of the valid tokens / time. "vs sdpa" and "vs torch" are time ratios
 (t_backend / t_other; < 1 is faster). "% read bw" is the share of the device's read bandwidth,
@@ -24,18 +34,20 @@ import datetime
 import itertools
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
 import vllmini
-from vllmini.attention import cupy_usable
+from vllmini import cuda_kernels
+from vllmini.attention import cupy_usable, kernel_error_buffer, validate_decode_args
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # relative L2 error allowed against float64 (inputs are exact in every dtype)
 MAX_REL_ERR = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
-# ANCHORS.md (a)-(f): (batch, context, heads, kv heads); head size 128, block size 16
+# the issue's shapes (a)-(f): (batch, context, heads, kv heads); head size 128, block size 16
 H200_SHAPES = [(64, 4096, 32, 32), (16, 4096, 32, 32), (64, 512, 32, 32), (1, 32768, 32, 32),
                (64, 4096, 32, 8), (1, 4096, 32, 32)]  # fmt: skip
 
@@ -50,7 +62,12 @@ def parse_args(argv=None):
     p.add_argument("--head-size", type=int, nargs="+", default=[64])
     p.add_argument("--dtype", nargs="+", default=["float32"], choices=sorted(DTYPES))
     p.add_argument("--block-size", type=int, nargs="+", default=[16])
-    p.add_argument("--preset", choices=["h200"], help="ANCHORS.md shapes (a)-(f), D=128, bs=16, fp16+fp32")
+    p.add_argument("--preset", choices=["h200"], help="shapes (a)-(f), D=128, bs=16, fp16+fp32")
+    p.add_argument("--versions", type=int, nargs="*", help="kernel versions to time (default: all present)")
+    p.add_argument("--block-sizes", type=int, nargs="*", default=[], help="extra block sizes, best kernel")
+    p.add_argument("--graphs", action="store_true", help="also time v5 and the public call as CUDA graphs")
+    p.add_argument("--variants", nargs="*", default=[], help=".cu files timed as variants of version 5")
+    p.add_argument("--json", help="write the rows and the run's facts to this JSON file")
     p.add_argument("--repeats", type=int, help="timed calls per backend (default 30 on GPU, 7 on CPU)")
     p.add_argument("--quick", action="store_true", help="fewer shapes and repeats: a smoke test")
     p.add_argument("--emulator", action="store_true", help="also run the CPU emulator (tiny shapes only)")
@@ -77,17 +94,19 @@ def shape_grid(args) -> list[tuple]:
 # ----------------------------------------------------------------------------- data and reference
 
 
-def make_dataset(batch, context, heads, kv_heads, head_size, dtype, block_size, device, seed):
+def make_dataset(batch, context, heads, kv_heads, head_size, dtype, block_size, device, seed, identity=False):
     """K/V made contiguous, then scattered through random block tables into a NaN pool ~2x the need."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    pages_per_seq = -(-context // block_size)
-    num_blocks = 2 * batch * pages_per_seq
-    perm = torch.randperm(num_blocks, generator=gen, device=device)
-    block_tables = perm[: batch * pages_per_seq].view(batch, pages_per_seq).to(torch.int32)
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     k = torch.randn(batch, context, kv_heads, head_size, generator=gen, device=device).to(dtype)
     v = torch.randn(batch, context, kv_heads, head_size, generator=gen, device=device).to(dtype)
     q = torch.randn(batch, heads, head_size, generator=gen, device=device).to(dtype)
+    pages_per_seq = -(-context // block_size)  # the same K, V, q for any block size; only the paging differs
+    num_blocks = 2 * batch * pages_per_seq
+    perm = torch.randperm(num_blocks, generator=gen, device=device)
+    if identity:
+        perm = torch.arange(num_blocks, device=device)
+    block_tables = perm[: batch * pages_per_seq].view(batch, pages_per_seq).to(torch.int32)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     pos = torch.arange(context, device=device)
     slots = block_tables.long()[:, pos // block_size] * block_size + pos % block_size  # (B, L)
     pool_shape = (num_blocks, block_size, kv_heads, head_size)
@@ -163,22 +182,62 @@ def measure_read_bandwidth(device: str, repeats: int) -> float:
 # ----------------------------------------------------------------------------- main
 
 
+def kernel_call(args_, version: int, guard: bool, tables=None, source=None):
+    """The kernel alone on validated inputs (what the public call launches after its checks)."""
+    a = args_
+    bt = a.block_tables if tables is None else tables
+    error = kernel_error_buffer(a.query.device) if guard else None
+
+    def fn():
+        out = torch.empty_like(a.query)
+        return cuda_kernels.paged_attention_kernel(
+            a.query, a.key_cache, a.value_cache, bt, a.seq_lens, a.scale, out, "cupy", version=version,
+            error=error, source=source,
+        )  # fmt: skip
+
+    return fn
+
+
+def calls_for(args, shape, data, scale, q4, kc, vc) -> dict:
+    """Row name -> zero-argument callable returning the output, for one shape's dataset."""
+    batch, context, heads, kv_heads = shape[:4]
+    gqa = heads != kv_heads
+    calls = {
+        "sdpa (contiguous)": lambda: F.scaled_dot_product_attention(q4, kc, vc, scale=scale, enable_gqa=gqa)
+    }
+    calls["torch gather"] = lambda: vllmini.paged_attention(*data["paged"], scale, backend="torch")
+    on_gpu = args.device.startswith("cuda")
+    if on_gpu and cupy_usable():
+        a = validate_decode_args(*data["paged"], scale)
+        present = cuda_kernels.kernel_versions()
+        dtype = data["paged"][0].dtype
+        for n in args.versions if args.versions is not None else sorted(present):
+            v = present.get(n)
+            if v is None or dtype not in v.dtypes:
+                continue
+            calls[f"v{n} kernel"] = kernel_call(a, n, v.guard)
+            if v.guard:
+                calls[f"v{n} no guard"] = kernel_call(a, n, False)
+        for path in args.variants:  # other texts of version 5's file, same launch (tuning experiments)
+            calls[f"v5 variant {Path(path).stem}"] = kernel_call(a, 5, True, source=Path(path).read_text())
+        calls["public call"] = lambda: vllmini.paged_attention(*data["paged"], scale, backend="cupy")
+        if 4 in present:
+            calls["public v4 + host check"] = lambda: vllmini.paged_attention(
+                *data["paged"], scale, backend="cupy", kernel_version=4, validate=True
+            )
+    elif args.emulator and batch * heads * context <= args.emulator_max_work:
+        calls["emulator"] = lambda: vllmini.paged_attention(*data["paged"], scale, backend="emulator")
+    return calls
+
+
 def backends_for(args, shape) -> list[str]:
-    batch, context, heads = shape[:3]
-    names = ["torch"]
-    if args.device.startswith("cuda") and cupy_usable():
-        names.append("cupy")
-    if (
-        args.emulator
-        and not args.device.startswith("cuda")
-        and batch * heads * context <= args.emulator_max_work
-    ):
-        names.append("emulator")
-    return names
+    """Rows per shape, for the progress bar (an estimate)."""
+    n = 2 + (2 * len(cuda_kernels.kernel_versions()) + 4 if args.device.startswith("cuda") else 1)
+    return [""] * n
 
 
 def bench_shape(args, shape, repeats, flush, read_bw, bar, notes) -> list[dict]:
-    """Check, then time, every backend on one shape's dataset; one row per backend."""
+    """Check, then time, every row on one shape's dataset."""
     device = args.device
     batch, context, heads, kv_heads, head_size, dtype_name, block_size = shape
     dtype = DTYPES[dtype_name]
@@ -186,35 +245,61 @@ def bench_shape(args, shape, repeats, flush, read_bw, bar, notes) -> list[dict]:
     scale = head_size**-0.5
     q4, kc, vc = data["contiguous"]
     ref = reference(q4, kc, vc, scale)
-    gqa = heads != kv_heads
-    calls = {
-        "sdpa (contiguous)": lambda: F.scaled_dot_product_attention(q4, kc, vc, scale=scale, enable_gqa=gqa)
-    }
-    for b in backends_for(args, shape):
-        calls[b] = lambda b=b: vllmini.paged_attention(*data["paged"], scale, backend=b)
+    calls = calls_for(args, shape, data, scale, q4, kc, vc)
     label = f"B={batch} L={context} H={heads}/{kv_heads} D={head_size} {dtype_name} bs={block_size}"
     results = {}
     for b, fn in calls.items():
         bar.set_postfix_str(f"{label} {b}")
-        try:
-            out = fn()
-        except (TypeError, ValueError, NotImplementedError) as e:
-            if b in ("sdpa (contiguous)", "torch"):
-                raise
-            notes.append(f"{label} {b}: skipped ({e})")
-            bar.update()
-            continue
+        out = fn()
         err = rel_err(out[:, :, 0] if out.dim() == 4 else out, ref)
         out = None  # free it before timing
         if not err <= MAX_REL_ERR[dtype]:
-            raise SystemExit(
-                f"MISMATCH {label} backend {b}: relative L2 error {err:.2e} > {MAX_REL_ERR[dtype]}"
-            )
+            raise SystemExit(f"MISMATCH {label} {b}: relative L2 error {err:.2e} > {MAX_REL_ERR[dtype]}")
         results[b] = (time_fn(fn, device, repeats, flush), err)
         bar.update()
+    on_gpu = flush is not None
+    if on_gpu and args.graphs:  # the same calls captured in a CUDA graph: the GPU's time without the host's
+        for b in [b for b in ("v5 kernel", "public call") if b in calls]:
+            calls[b]()  # warm (compiles, the error buffer) before capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = calls[b]()
+            graph.replay()
+            err = rel_err(captured, ref)
+            if not err <= MAX_REL_ERR[dtype]:
+                raise SystemExit(f"MISMATCH {label} {b} (graph): relative L2 error {err:.2e}")
+            results[f"{b} (graph)"] = (time_fn(graph.replay, device, repeats, flush), err)
+            del graph, captured
+    if on_gpu:
+        if "v5 kernel" in results:  # the same kernel over an identity table: what paging costs
+            ident = make_dataset(batch, context, heads, kv_heads, head_size, dtype, block_size, device,
+                                 args.seed, identity=True)  # fmt: skip
+            a = validate_decode_args(*ident["paged"], scale)
+            results["v5 identity table"] = (
+                time_fn(kernel_call(a, 5, True), device, repeats, flush),
+                float("nan"),
+            )
+            del ident, a
+        # the read ceiling at this byte count: a pure read of as many bytes as K and V
+        x = torch.ones(data["kv_bytes"] // 4, dtype=torch.float32, device=device)
+        results["read ceiling"] = (time_fn(x.sum, device, repeats, flush), float("nan"))
+        del x
+        for bs in args.block_sizes if shape == args.sweep_shape else ():
+            if bs == block_size or "v5 kernel" not in results:
+                continue
+            other = make_dataset(batch, context, heads, kv_heads, head_size, dtype, bs, device, args.seed)
+            a = validate_decode_args(*other["paged"], scale)
+            fn = kernel_call(a, 5, True)
+            err = rel_err(fn(), ref)
+            if not err <= MAX_REL_ERR[dtype]:
+                raise SystemExit(f"MISMATCH {label} v5 bs={bs}: relative L2 error {err:.2e}")
+            results[f"v5 kernel bs={bs}"] = (time_fn(fn, device, repeats, flush), err)
+            del other, a
     rows = []
-    base_t, torch_t = results["sdpa (contiguous)"][0], results["torch"][0]
-    dev_name = torch.cuda.get_device_name(device) if flush is not None else "CPU"
+    base_t, torch_t = results["sdpa (contiguous)"][0], results["torch gather"][0]
+    ceiling_t = results.get("read ceiling", (None,))[0]
+    dev_name = torch.cuda.get_device_name(device) if on_gpu else "CPU"
     for b, (t, err) in results.items():
         bw = data["kv_bytes"] / (t * 1e-6)
         rows.append({
@@ -222,7 +307,9 @@ def bench_shape(args, shape, repeats, flush, read_bw, bar, notes) -> list[dict]:
             "head_size": head_size, "dtype": dtype_name, "block_size": block_size, "backend": b,
             "time_us": round(t, 2), "gb_per_s": round(bw / 1e9, 2),
             "pct_read_bw": round(100 * bw / read_bw, 1), "vs_sdpa": round(t / base_t, 3),
-            "vs_torch": round(t / torch_t, 3), "rel_err": f"{err:.1e}", "device": dev_name,
+            "vs_torch": round(t / torch_t, 3),
+            "pct_ceiling": round(100 * ceiling_t / t, 1) if ceiling_t else "",
+            "rel_err": f"{err:.1e}", "device": dev_name,
         })  # fmt: skip
     return rows
 
@@ -234,6 +321,7 @@ def run(args) -> list[dict]:
     if args.quick and not on_gpu:
         repeats = min(repeats, 5)
     grid = shape_grid(args)
+    args.sweep_shape = grid[0] if grid else None  # --block-sizes: on the first shape only (time)
     flush = torch.empty(2**26, dtype=torch.float32, device=device) if on_gpu else None  # 256 MB > L2
     read_bw = measure_read_bandwidth(device, repeats)
     name = torch.cuda.get_device_name(device) if on_gpu else "CPU"
@@ -253,8 +341,8 @@ def run(args) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
-    cols = [("backend", "backend", 18), ("time_us", "time µs", 11), ("gb_per_s", "GB/s", 9),
-            ("pct_read_bw", "% read bw", 10), ("vs_sdpa", "vs sdpa", 8), ("vs_torch", "vs torch", 9),
+    cols = [("backend", "backend", 24), ("time_us", "time µs", 10), ("gb_per_s", "GB/s", 9),
+            ("pct_ceiling", "% ceil", 8), ("vs_sdpa", "vs sdpa", 8), ("vs_torch", "vs torch", 9),
             ("rel_err", "rel err", 8)]  # fmt: skip
     shape = None
     print("".join(f"{h:>{w}}" if k != "backend" else f"{h:<{w}}" for k, h, w in cols))
@@ -262,7 +350,7 @@ def print_table(rows: list[dict]) -> None:
         if r["shape"] != shape:
             shape = r["shape"]
             print(shape)
-        print("".join(f"{r[k]:>{w}}" if k != "backend" else f"  {r[k]:<{w - 2}}" for k, _, w in cols))
+        print("".join(f"{r[k]!s:>{w}}" if k != "backend" else f"  {r[k]:<{w - 2}}" for k, _, w in cols))
 
 
 def save_plot(rows: list[dict], path: str) -> None:
@@ -272,7 +360,8 @@ def save_plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
-    backends = list(dict.fromkeys(r["backend"] for r in rows))
+    keep = ("sdpa (contiguous)", "torch gather", "read ceiling")
+    backends = [b for b in dict.fromkeys(r["backend"] for r in rows) if b in keep or b.endswith(" kernel")]
     fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(shapes)), 4.8))
     width = 0.8 / len(backends)
     for i, b in enumerate(backends):
@@ -306,6 +395,17 @@ def main(argv=None) -> None:
         print(f"csv saved to {args.csv}")
     if args.plot:
         save_plot(rows, args.plot)
+    if args.json:
+        import json
+
+        facts = {
+            "date_utc": f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M}",
+            "torch": torch.__version__,
+            "command": "python benchmarks/bench_attention.py " + " ".join(argv or __import__("sys").argv[1:]),
+        }
+        with open(args.json, "w") as f:
+            json.dump({"facts": facts, "rows": rows}, f, indent=1)
+        print(f"json saved to {args.json}")
 
 
 if __name__ == "__main__":

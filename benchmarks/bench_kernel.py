@@ -1,20 +1,21 @@
 """The CUDA kernel alone, its host-side validation, and the public call, timed apart (GPU only).
 
 bench_attention.py times `vllmini.paged_attention` as a user calls it. This script splits that time:
-  raw       cuda_kernels.paged_attention_v1 on inputs validated once, outside the timed region
+  raw       cuda_kernels.paged_attention_kernel (--version, default the best) on inputs validated once
   validate  validate_decode_args alone (one device-to-host copy of block_tables + seq_lens)
   full      vllmini.paged_attention(..., backend="cupy")
-on the ANCHORS.md shapes (a), (d), (e), (f): head size 128, block_size 16, random K/V, random
+on the shapes (a), (d), (e), (f) of benchmarks/RESULTS.md: head size 128, block_size 16, random K/V, random
 non-identity block tables over a pool twice the needed size. Before timing, the raw kernel's output is
 checked against a float64 reference on the first sequences. CUDA events, median of --repeats calls,
 L2 flushed (256 MB written) before every call.
 
     python benchmarks/bench_kernel.py [--dtype float32|float16|bfloat16] [--repeats 30]
 
---compare OLD.cu also times another version of the kernel file on the same data, in the same run (the
-fair way to compare versions: timings move by 10-20% between runs on the same GPU), e.g.
-    git show HEAD~3:kernels/paged_attention_v1.cu > /tmp/old.cu
-    python benchmarks/bench_kernel.py --dtype float16 --compare /tmp/old.cu
+--compare OLD.cu also times another text of the same version's file on the same data, in the same run
+(the fair way to compare variants: timings move by 10-20% between runs on the same GPU), e.g.
+    git show HEAD~3:kernels/paged_attention_5_gqa_split.cu > /tmp/old.cu
+    python benchmarks/bench_kernel.py --dtype float16 --version 5 --compare /tmp/old.cu
+bench_attention.py times every version side by side.
 """
 
 from __future__ import annotations
@@ -80,7 +81,13 @@ def time_us(fn, repeats: int, flush: torch.Tensor) -> float:
 
 
 def bench_shape(
-    name: str, shape: tuple, dtype: torch.dtype, repeats: int, flush: torch.Tensor, other: str | None = None
+    name: str,
+    shape: tuple,
+    dtype: torch.dtype,
+    repeats: int,
+    flush: torch.Tensor,
+    other: str | None = None,
+    version: int | None = None,
 ) -> str:
     """Check the kernel on one shape, then time raw / validate / full; returns the table row."""
     B, H, KVH, L = shape
@@ -89,8 +96,8 @@ def bench_shape(
     out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
 
     def raw():
-        cuda_kernels.paged_attention_v1(
-            a.query, a.key_cache, a.value_cache, a.block_tables, a.seq_lens, a.scale, out
+        cuda_kernels.paged_attention_kernel(
+            a.query, a.key_cache, a.value_cache, a.block_tables, a.seq_lens, a.scale, out, version=version
         )
 
     raw()
@@ -105,9 +112,10 @@ def bench_shape(
     if other is not None:  # the other version, same data, checked the same way first
 
         def raw_other():
-            cuda_kernels.paged_attention_v1(
-                a.query, a.key_cache, a.value_cache, a.block_tables, a.seq_lens, a.scale, out, source=other
-            )
+            cuda_kernels.paged_attention_kernel(
+                a.query, a.key_cache, a.value_cache, a.block_tables, a.seq_lens, a.scale, out,
+                version=version, source=other,
+            )  # fmt: skip
 
         out.fill_(float("nan"))
         raw_other()
@@ -124,7 +132,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--compare", metavar="OLD.cu", help="also time this version of the kernel file")
+    parser.add_argument("--compare", metavar="OLD.cu", help="also time this text of the version's file")
+    parser.add_argument("--version", type=int, help="kernel version (default: the best, as backend='cupy')")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernel.py needs an NVIDIA GPU with CuPy (see bench_attention.py for CPU)")
@@ -137,7 +146,7 @@ def main(argv=None) -> None:
     head = f"{'shape':30} {'raw us':>9} {'TB/s':>6} {'validate us':>12} {'full us':>9} {'rel err':>8}"
     print(head + (f" {'other us':>10} {'ratio':>6} {'raw again':>9}" if other else ""))
     for name, shape in SHAPES.items():
-        print(bench_shape(name, shape, dtype, args.repeats, flush, other), flush=True)
+        print(bench_shape(name, shape, dtype, args.repeats, flush, other, args.version), flush=True)
         torch.cuda.empty_cache()
 
 

@@ -153,7 +153,7 @@ def tier_sanitize():
             cmd[1:1] = ["--leak-check", "no"]
         # without torch's caching allocator each tensor is its own cudaMalloc, so memcheck sees its end
         env = {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}
-        run_item("sanitize", f"{tool} paged_attention_v1", cmd, 270, deadline, "KERNEL DRIVER OK", env)
+        run_item("sanitize", f"{tool} every kernel version", cmd, 270, deadline, "KERNEL DRIVER OK", env)
 
 
 def tier_bench():
@@ -161,9 +161,11 @@ def tier_bench():
     py = sys.executable
     bench = ROOT / "benchmarks" / "bench_attention.py"
     if bench.exists():
-        run_item(
-            "bench", "bench_attention --preset h200", [py, str(bench), "--preset", "h200"], 420, deadline
-        )
+        OUT.mkdir(parents=True, exist_ok=True)
+        files = ["--json", str(OUT / "h200_attention.json"), "--plot", str(OUT / "h200_attention.png")]
+        cmd = [py, str(bench), "--preset", "h200", "--dtype", "float16", "bfloat16", "float32",
+               "--block-sizes", "8", "32", "64", "128", "--graphs", *files]  # fmt: skip
+        run_item("bench", "bench_attention --preset h200", cmd, 420, deadline)
     else:
         record_skip("bench", "bench_attention", "benchmarks/bench_attention.py not present")
     engine = ROOT / "benchmarks" / "bench_engine.py"
@@ -177,8 +179,9 @@ def tier_bench():
 
 
 def kernel_driver(runtime: str = "cupy") -> int:
-    """A few small launches of paged_attention_v1 through CuPy, each checked against float64 (sanitizers).
-    runtime "emulator" runs the same on the CPU (to try the driver without a GPU)."""
+    """A few small launches of every kernel version through CuPy, each checked against float64
+    (sanitizers), version 5 also split and with its guard catching a bad id. runtime "emulator" runs
+    the same on the CPU (to try the driver without a GPU)."""
     import torch
 
     sys.path.insert(0, str(ROOT / "tests"))
@@ -191,17 +194,35 @@ def kernel_driver(runtime: str = "cupy") -> int:
         (2, 8, 2, 80, 8, (9, 33)),
         (1, 4, 1, 256, 1, (5,)),
     ]
-    for i, (params, dtype) in enumerate(
-        zip(cases, (torch.float32, torch.float16, torch.bfloat16), strict=True)
-    ):
-        case = make_decode_case(100 + i, *params, dtype=dtype, device="cuda" if runtime == "cupy" else "cpu")
-        out = torch.empty_like(case["query"])
-        args = [case[k] for k in ("query", "key_cache", "value_cache", "block_tables", "seq_lens")]
-        cuda_kernels.paged_attention_v1(*args, case["scale"], out, runtime=runtime)
-        if runtime == "cupy":
-            torch.cuda.synchronize()
-        assert_close(out, reference_decode(case))
-        print(f"case {params} {dtype}: ok", flush=True)
+    device = "cuda" if runtime == "cupy" else "cpu"
+    keys = ("query", "key_cache", "value_cache", "block_tables", "seq_lens")
+    for n, version in sorted(cuda_kernels.kernel_versions().items()):
+        for i, (params, dtype) in enumerate(
+            zip(cases, (torch.float32, torch.float16, torch.bfloat16), strict=True)
+        ):
+            if dtype not in version.dtypes:
+                continue
+            for splits in (None, 2) if n == 5 else (None,):
+                case = make_decode_case(100 + i, *params, dtype=dtype, device=device)
+                out = torch.empty_like(case["query"])
+                args = [case[k] for k in keys]
+                error = torch.zeros(5, dtype=torch.int32, device=device) if version.guard else None
+                cuda_kernels.paged_attention_kernel(
+                    *args, case["scale"], out, runtime=runtime, version=n, error=error, num_splits=splits
+                )
+                if runtime == "cupy":
+                    torch.cuda.synchronize()
+                assert_close(out, reference_decode(case))
+                print(f"v{n} case {params} {dtype} splits={splits}: ok", flush=True)
+        if version.guard:  # a bad id in use: never read (memcheck would see it), NaN rows, recorded
+            case = make_decode_case(110, *cases[0], device=device)
+            case["block_tables"][2, 3] = 10**8
+            out = torch.empty_like(case["query"])
+            error = torch.zeros(5, dtype=torch.int32, device=device)
+            cuda_kernels.paged_attention_kernel(*[case[k] for k in keys], case["scale"], out, runtime=runtime,
+                                                version=n, error=error)  # fmt: skip
+            assert out[2].isnan().all() and error.tolist()[:4] == [1, 2, 3, 10**8], error.tolist()
+            print(f"v{n} guard: ok", flush=True)
     print("KERNEL DRIVER OK")
     return 0
 

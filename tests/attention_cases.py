@@ -192,9 +192,12 @@ def gather_kv(case: dict, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query vector against keys/values [L, hs] in float64."""
-    weights = torch.softmax((k @ q) * scale, dim=0)
-    return weights @ v
+    """One query vector against keys/values [L, hs] in float64. No finite score at all (every one
+    -inf): attend to nothing, a zero row (vllmini's documented choice, as SDPA does for masked rows)."""
+    scores = (k @ q) * scale
+    if bool((scores == float("-inf")).all()):
+        return torch.zeros_like(q)
+    return torch.softmax(scores, dim=0) @ v
 
 
 def reference_decode(case: dict) -> torch.Tensor:

@@ -22,13 +22,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import vllmini
+from vllmini import cuda_kernels
 from vllmini.attention import (
     BACKENDS,
+    check_kernel_errors,
+    cupy_usable,
     paged_attention,
     paged_prefill_attention,
     resolve_backend,
     validate_decode_args,
 )
+from vllmini.errors import InvalidBlockTableError
 
 DECODE_KEYS = ("query", "key_cache", "value_cache", "block_tables", "seq_lens")
 
@@ -175,6 +179,37 @@ def test_empty_batch():
         case["seq_lens"][:0],
     )
     assert out.shape == (0, 4, 64)
+
+
+@pytest.mark.parametrize("backend", ["torch", "emulator"])
+def test_empty_tables_from_the_block_manager(backend):
+    """build_block_tables([]) gives (0, 0) tables: an empty output, not an error (issue 15, item 13)."""
+    bm = vllmini.BlockManager(num_blocks=4, block_size=8)
+    tables, lens = bm.build_block_tables([])
+    assert tables.shape == (0, 0)
+    kc = torch.zeros(4, 8, 2, 64)
+    out = paged_attention(torch.zeros(0, 4, 64), kc, kc.clone(), tables, lens, backend=backend)
+    assert out.shape == (0, 4, 64)
+
+
+@pytest.mark.parametrize("backend", ["torch", "emulator"])
+def test_all_scores_minus_inf_give_zero_rows(backend):
+    """When every score of a sequence is -inf the softmax is 0/0; vllmini's choice is a zero row (attend
+    to nothing, as SDPA does for fully masked rows): the torch backend, the kernel (version 5) and the
+    float64 reference agree (issue 15, item 8). Versions 2-4 give NaN there."""
+    case = make_decode_case(11, 1, 2, 2, 64, 8, (13,))
+    for t in range(13):  # k[0] = +inf, q[0] = -1: every score -inf for both heads
+        page = int(case["block_tables"][0, t // 8])
+        case["key_cache"][page, t % 8, :, 0] = float("inf")
+    case["query"][0, :, 0] = -1.0
+    ref = reference_decode(case)
+    assert torch.equal(ref, torch.zeros_like(ref))
+    assert torch.equal(decode(case, backend), torch.zeros_like(case["query"]))
+    if backend == "emulator":  # and with the context split in two pieces, merged
+        out = torch.empty_like(case["query"])
+        args = [case[k] for k in DECODE_KEYS]
+        cuda_kernels.paged_attention_kernel(*args, case["scale"], out, "emulator", num_splits=2)
+        assert torch.equal(out, torch.zeros_like(out))
 
 
 def test_single_token_prefill_equals_decode():
@@ -389,7 +424,8 @@ def test_auto_prefers_the_kernel_only_where_it_applies(monkeypatch):
 
 def test_validation_happens_before_any_backend(monkeypatch):
     fake = types.ModuleType("vllmini.cuda_kernels")
-    fake.paged_attention_v1 = lambda *a, **k: pytest.fail("kernel called with invalid input")
+    fake.paged_attention_kernel = lambda *a, **k: pytest.fail("kernel called with invalid input")
+    fake.resolve_kernel_version = cuda_kernels.resolve_kernel_version
     monkeypatch.setitem(sys.modules, "vllmini.cuda_kernels", fake)
     case = bad(seq_lens=torch.tensor([5, 0], dtype=torch.int32))
     with pytest.raises(ValueError, match="seq_lens"):
@@ -397,17 +433,18 @@ def test_validation_happens_before_any_backend(monkeypatch):
 
 
 def test_kernel_backends_get_normalized_inputs_and_preallocated_out(monkeypatch):
-    """The contract with vllmini.cuda_kernels.paged_attention_v1 (helper D2's module)."""
+    """The contract with vllmini.cuda_kernels.paged_attention_kernel."""
     seen = {}
 
-    def fake_kernel(query, key_cache, value_cache, block_tables, seq_lens, scale, out, runtime):
+    def fake_kernel(query, key_cache, value_cache, block_tables, seq_lens, scale, out, runtime, **kw):
         seen.update(locals())
         out.copy_(
             paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, backend="torch")
         )
 
     fake = types.ModuleType("vllmini.cuda_kernels")
-    fake.paged_attention_v1 = fake_kernel
+    fake.paged_attention_kernel = fake_kernel
+    fake.resolve_kernel_version = cuda_kernels.resolve_kernel_version
     monkeypatch.setitem(sys.modules, "vllmini.cuda_kernels", fake)
     case = make_decode_case(17, 3, 4, 2, 64, 8, (1, 8, 9))
     case["block_tables"] = case["block_tables"].long()
@@ -417,6 +454,7 @@ def test_kernel_backends_get_normalized_inputs_and_preallocated_out(monkeypatch)
     assert seen["block_tables"].dtype == torch.int32 and seen["seq_lens"].dtype == torch.int32
     assert all(seen[k].is_contiguous() for k in (*DECODE_KEYS, "out"))
     assert seen["scale"] == 64**-0.5
+    assert seen["kw"]["version"].number == 5 and seen["kw"]["error"] is None  # CPU: host check, no guard
     assert_close(out, reference_decode(case))
 
 
@@ -463,7 +501,14 @@ def test_out_of_range_pages_and_prefill_errors_on_cuda():
     case["block_tables"] = case["block_tables"].long()
     case["block_tables"][1, 1] = 2**40
     with pytest.raises(ValueError, match=r"block_tables\[1, 1\] = 1099511627776 is not a block id"):
-        _call(_to_cuda(case))
+        _call(_to_cuda(case))  # the torch backend: host check
+    if cupy_usable():  # the kernel's default on CUDA: the guard, the id clamped to int32 (still out of range)
+        out = decode(_to_cuda(case), "cupy")
+        assert out[1].isnan().all()
+        with pytest.raises(
+            InvalidBlockTableError, match=r"block_tables\[1, 1\] = 2147483647 is not a block id"
+        ):
+            check_kernel_errors()
     case = make_prefill_case(16, 4, 2, 64, 8, (9, 12), (3, 12), device="cuda")
     case["query_start_loc"] = torch.tensor([0, 10, 15], dtype=torch.int32, device="cuda")
     with pytest.raises(ValueError, match=r"sequence 0 has 10 query .* seq_lens\[0\] = 9"):

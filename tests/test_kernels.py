@@ -25,22 +25,28 @@ from attention_cases import (
 )
 
 from vllmini import cuda_kernels
-from vllmini.attention import paged_attention
+from vllmini.attention import check_kernel_errors, kernel_error_buffer, paged_attention
+from vllmini.errors import InvalidArgumentError, InvalidBlockTableError, InvalidTypeError
 
 DECODE_KEYS = ("query", "key_cache", "value_cache", "block_tables", "seq_lens")
 KERNEL_FILES = cuda_kernels.kernel_files(include_bugs=True)
 REAL_KERNELS = cuda_kernels.kernel_files(include_bugs=False)
+VERSIONS = sorted(cuda_kernels.kernel_versions())  # every version whose .cu file is present
+BEST = cuda_kernels.resolve_kernel_version(None).number
+HALF_VERSIONS = [v for v in VERSIONS if torch.float16 in cuda_kernels.kernel_versions()[v].dtypes]
 
 
-def decode(case, backend):
-    return paged_attention(*(case[k] for k in DECODE_KEYS), case["scale"], backend=backend)
+def decode(case, backend, **kw):
+    return paged_attention(*(case[k] for k in DECODE_KEYS), case["scale"], backend=backend, **kw)
 
 
-def launch(case, runtime):
+def launch(case, runtime, version=None, **kw):
     """Call the launcher directly (no validation), as vllmini.paged_attention does after validating."""
     out = torch.empty_like(case["query"])
     args = [case[k] for k in DECODE_KEYS]
-    return cuda_kernels.paged_attention_v1(*args, case["scale"], out, runtime=runtime)
+    return cuda_kernels.paged_attention_kernel(
+        *args, case["scale"], out, runtime=runtime, version=version, **kw
+    )
 
 
 # ----------------------------------------------------------------------------- sources and NVRTC
@@ -48,15 +54,51 @@ def launch(case, runtime):
 
 def test_kernel_sources_are_found():
     names = [f.relative_to(cuda_kernels.kernel_dir()).as_posix() for f in KERNEL_FILES]
-    assert "paged_attention_v1.cu" in names
-    assert cuda_kernels.read_kernel_source("paged_attention_v1") == cuda_kernels.read_kernel_source(
-        "paged_attention_v1.cu"
-    )
-    assert 'extern "C" __global__ void paged_attention_v1(' in cuda_kernels.read_kernel_source(
-        "paged_attention_v1"
-    )
-    with pytest.raises(FileNotFoundError, match="paged_attention_v1"):
+    for number in (2, 3, 4, 5):
+        v = cuda_kernels.kernel_versions()[number]
+        assert f"{v.file}.cu" in names
+        assert cuda_kernels.read_kernel_source(v.file) == cuda_kernels.read_kernel_source(f"{v.file}.cu")
+        for dtype in v.dtypes:  # every entry point the registry names is in the file
+            assert f" {v.function(dtype)}(" in cuda_kernels.read_kernel_source(v.file)
+    with pytest.raises(FileNotFoundError, match="paged_attention_4_half_warps"):
         cuda_kernels.read_kernel_source("no_such_kernel")
+
+
+def test_version_registry_and_choice():
+    versions = cuda_kernels.kernel_versions()
+    assert set(versions) >= {2, 3, 4, 5} and BEST == 5
+    assert all(v.file == f"paged_attention_{n}_{v.name}" for n, v in versions.items())
+    assert cuda_kernels.resolve_kernel_version("half_warps").number == 4
+    assert cuda_kernels.resolve_kernel_version("4_half_warps").number == 4
+    assert cuda_kernels.resolve_kernel_version(np.int64(3)).number == 3
+    assert cuda_kernels.resolve_kernel_version(None, torch.bfloat16).number == 5
+    with pytest.raises(InvalidArgumentError, match="kernel_version must be one of"):
+        cuda_kernels.resolve_kernel_version(99)
+    with pytest.raises(InvalidArgumentError, match="'nope' is not one of"):
+        cuda_kernels.resolve_kernel_version("nope")
+    with pytest.raises(InvalidTypeError, match="kernel_version must be an int"):
+        cuda_kernels.resolve_kernel_version(4.0)
+    if 1 in versions:
+        with pytest.raises(InvalidTypeError, match="supports"):
+            cuda_kernels.resolve_kernel_version(1, torch.float16)
+
+
+def test_launch_plan_splits_only_when_the_batch_does_not_fill_the_gpu():
+    v5 = cuda_kernels.kernel_versions()[5]
+    # (a) B=64 H=32: 2048 blocks fill 132 SMs; (f) B=1 H=32 L=4096: 32 blocks -> 16 pieces of 256 tokens
+    full = cuda_kernels.launch_plan(v5, 64, 32, 32, 128, 16, 256, torch.float16, 132)
+    assert full.num_splits == 1 and full.grid == (64, 32, 1) and full.heads_per_block == 1
+    one = cuda_kernels.launch_plan(v5, 1, 32, 32, 128, 16, 256, torch.float16, 132)
+    assert one.num_splits == 16 and one.pages_per_split == 16 and one.grid == (1, 32, 16)
+    # GQA: one block per KV head serves its 4 query heads (8 heads in 2 blocks of 4)
+    gqa = cuda_kernels.launch_plan(v5, 64, 32, 8, 128, 16, 256, torch.float16, 132)
+    assert gqa.heads_per_block == 4 and gqa.grid[1] == 8
+    assert (
+        cuda_kernels.launch_plan(v5, 4, 6, 2, 128, 16, 4, torch.float32, 132).heads_per_block == 1
+    )  # group 3
+    assert cuda_kernels.launch_plan(v5, 4, 8, 2, 256, 16, 4, torch.float16, 132).heads_per_block == 2
+    # short contexts are never cut below MIN_SPLIT_TOKENS
+    assert cuda_kernels.launch_plan(v5, 1, 4, 4, 64, 16, 8, torch.float32, 132).num_splits == 1
 
 
 def test_nvrtc_loads():
@@ -80,7 +122,10 @@ def test_every_kernel_compiles_with_nvrtc(path, arch):
             cuda_kernels.nvrtc_version()
         except RuntimeError as e:
             pytest.skip(f"NVRTC not installed here: {e}")
-    cubin = cuda_kernels.compile_for_arch(path.read_text(), arch, name=path.name)
+    # version 5 holds 48 copies of its loop (3 dtypes x 8 head-size chunks x GQA or not) and a GPU build
+    # compiles one chunk's copies at a time (cuda_kernels.launch_plan); here too: minutes -> seconds
+    options = ("-DVLLMINI_ONLY_CHUNKS=4",) if "VLLMINI_ONLY_CHUNKS" in path.read_text() else ()
+    cubin = cuda_kernels.compile_for_arch(path.read_text(), arch, name=path.name, options=options)
     assert cubin[:4] == b"\x7fELF"  # a cubin is an ELF file
 
 
@@ -106,17 +151,36 @@ def test_compile_errors_name_the_line():
 
 @pytest.mark.parametrize("params", DECODE_GRID + DECODE_GRID_SMALL, ids=case_id)
 def test_emulator_matches_reference(params):
+    """The best version (the one backend="cupy" runs) on the whole attention grid."""
     case = make_decode_case(21, *params)
     assert_close(launch(case, "emulator"), reference_decode(case))
 
 
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("params", DECODE_GRID_SMALL, ids=case_id)
+def test_every_version_on_the_emulator(params, version):
+    """Every kernel version present, the same launcher, the small grid (each head and block size)."""
+    case = make_decode_case(22, *params)
+    assert_close(launch(case, "emulator", version), reference_decode(case))
+
+
+@pytest.mark.parametrize("version", HALF_VERSIONS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("params", DECODE_GRID_SMALL, ids=case_id)
-def test_emulator_half_types_match_reference(params, dtype):
+def test_emulator_half_types_match_reference(params, dtype, version):
     case = make_decode_case(20, *params, dtype=dtype)
-    out = launch(case, "emulator")
+    out = launch(case, "emulator", version)
     assert out.dtype == dtype
     assert_close(out, reference_decode(case))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("num_splits", [2, 3, 5])
+@pytest.mark.parametrize("params", DECODE_GRID_SMALL, ids=case_id)
+def test_split_context_merges_to_the_same_answer(params, num_splits, dtype):
+    """Version 5 cut into pieces (some past a shorter sequence's end, so empty) and merged by log-sum-exp."""
+    case = make_decode_case(36, *params, dtype=dtype)
+    assert_close(launch(case, "emulator", 5, num_splits=num_splits), reference_decode(case))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
@@ -137,21 +201,36 @@ def test_one_token_returns_its_value_row_bit_for_bit(dtype):
     assert torch.equal(out[0, 0], expected) and torch.equal(out[0, 1], expected)
 
 
-def test_emulator_checked_mode_sees_no_out_of_bounds_access():
-    """AddressSanitizer: the kernel touches no byte outside its buffers, even with junk padding ids."""
+@pytest.mark.parametrize("bad_page", [None, -1, 10**6])
+def test_emulator_checked_mode_sees_no_out_of_bounds_access(bad_page):
+    """AddressSanitizer: the best version touches no byte outside its buffers, with junk padding ids and,
+    with the guard on, a bad id in use: never dereferenced, its sequence NaN, the others right."""
     from vllmini.emulator import RawKernel
 
     case = make_decode_case(23, 3, 4, 2, 80, 8, (1, 8, 17))
+    expected = reference_decode(case)
+    if bad_page is not None:
+        case["block_tables"][2, 1] = bad_page  # token 8 of sequence 2
     out = torch.empty_like(case["query"])
     num_seqs, num_heads, head_size = case["query"].shape
-    grid, block, shared_mem = cuda_kernels.launch_config_v1(num_seqs, num_heads, head_size)
-    kernel = RawKernel(
-        cuda_kernels.read_kernel_source("paged_attention_v1"), "paged_attention_v1", checked=True
-    )
-    ints = (8, num_heads, head_size, 2, case["block_tables"].shape[1])
-    args = (out, *(case[k] for k in DECODE_KEYS), *map(np.int32, ints), np.float32(case["scale"]))
-    kernel(grid, block, args, shared_mem=shared_mem)
-    assert_close(out, reference_decode(case))
+    v = cuda_kernels.resolve_kernel_version(None)
+    plan = cuda_kernels.launch_plan(v, num_seqs, num_heads, 2, head_size, 8, 4, torch.float32, 1, 2)
+    kernel = RawKernel(cuda_kernels.read_kernel_source(v.file), v.file, checked=True)
+    merge = RawKernel(cuda_kernels.read_kernel_source(v.file), f"{v.file}_merge", checked=True)
+    part_out = torch.empty(num_seqs, num_heads, plan.num_splits, head_size)
+    part_ml = torch.empty(num_seqs, num_heads, plan.num_splits, 2)
+    error = torch.zeros(5, dtype=torch.int32)
+    sizes = (case["num_blocks"], 8, num_heads, head_size, 2, 4, plan.heads_per_block, plan.pages_per_split)
+    args = (out, part_out, part_ml, *(case[k] for k in DECODE_KEYS), error, *map(np.int32, sizes))
+    kernel(plan.grid, plan.block, (*args, np.float32(case["scale"])), shared_mem=plan.shared_mem)
+    merge((num_seqs, num_heads), (128,), (out, part_out, part_ml, np.int32(plan.num_splits), np.int32(80)))
+    if bad_page is None:
+        assert_close(out, expected)
+        assert error.tolist() == [0] * 5
+    else:
+        assert out[2].isnan().all()
+        assert_close(out[:2], expected[:2])
+        assert error.tolist() == [1, 2, 1, bad_page, case["num_blocks"]]
 
 
 def test_emulator_handles_a_context_longer_than_any_fixed_buffer():
@@ -184,10 +263,12 @@ def test_the_test_can_fail():
 
 def test_launcher_refuses_what_the_kernel_cannot_do():
     case = make_decode_case(28, 1, 2, 2, 64, 8, (5,))
+    with pytest.raises(InvalidArgumentError, match="has no in-kernel guard"):
+        launch(case, "emulator", 4, error=torch.zeros(5, dtype=torch.int32))
     with pytest.raises(ValueError, match="runtime must be one of"):
         launch(case, "numba")
     double = {k: (v.double() if k in ("query", "key_cache", "value_cache") else v) for k, v in case.items()}
-    with pytest.raises(TypeError, match="got query of torch.float64"):
+    with pytest.raises(TypeError, match="no paged-attention kernel takes torch.float64"):
         launch(double, "emulator")
     mixed = dict(case, key_cache=case["key_cache"].half())
     with pytest.raises(TypeError, match="key_cache must have the query's dtype torch.float32"):
@@ -205,11 +286,12 @@ def test_launcher_refuses_what_the_kernel_cannot_do():
             launch(dict(on_gpu, seq_lens=case["seq_lens"]), "cupy")  # one tensor left on the CPU
 
 
-def test_launch_config():
-    grid, block, shared_mem = cuda_kernels.launch_config_v1(3, 8, 128)
-    assert grid == (3, 8, 1) and block == (cuda_kernels.NUM_THREADS, 1, 1)
+def test_launch_plan_of_the_classic_versions():
+    v4 = cuda_kernels.kernel_versions()[4]
+    plan = cuda_kernels.launch_plan(v4, 3, 8, 8, 128, 16, 5, torch.float16, 132)
+    assert plan.grid == (3, 8, 1) and plan.block == (256, 1, 1) and plan.num_splits == 1
     # one (max, sum, head_size partial outputs) record per lane group; 16-bit types use groups of 16 lanes
-    assert shared_mem == (cuda_kernels.NUM_THREADS // 16) * (128 + 2) * 4
+    assert plan.shared_mem == (256 // 16) * (128 + 2) * 4
 
 
 # ----------------------------------------------------------------------------- validation before launch
@@ -220,34 +302,100 @@ def test_launch_config():
 def test_out_of_range_block_id_is_rejected_before_launch(monkeypatch, backend, page):
     calls = []
     fake = types.ModuleType("vllmini.cuda_kernels")
-    fake.paged_attention_v1 = lambda *a, **k: calls.append(k)
+    fake.paged_attention_kernel = lambda *a, **k: calls.append(k)
+    fake.resolve_kernel_version = cuda_kernels.resolve_kernel_version
     monkeypatch.setitem(sys.modules, "vllmini.cuda_kernels", fake)
     device = "cuda" if backend == "cupy" and torch.cuda.is_available() else "cpu"
     case = make_decode_case(29, 2, 4, 2, 64, 8, (9, 4), device=device)
     case["block_tables"][0, 1] = page  # token 8 of sequence 0 lives in this page
     with pytest.raises(ValueError):
-        decode(case, backend)
+        decode(case, backend, validate=True)  # the host check: before any launch
     assert calls == []
+
+
+@pytest.mark.parametrize("page", [-1, 10**6, 2**31 - 1])
+def test_guard_on_the_emulator_without_the_host_check(page):
+    """validate="guard": no host check; the kernel never reads the bad page, the sequence's rows are NaN,
+    the other sequences are right, and check_kernel_errors() raises once, naming the entry."""
+    case = make_decode_case(37, 3, 4, 2, 64, 8, (9, 4, 20))
+    expected = reference_decode(case)
+    case["block_tables"][0, 1] = page  # token 8 of sequence 0 lives in this page
+    kernel_error_buffer("cpu").zero_()  # start clean
+    out = decode(case, "emulator", validate="guard")
+    assert out[0].isnan().all() and not out[1:].isnan().any()
+    assert_close(out[1:], expected[1:])
+    with pytest.raises(
+        InvalidBlockTableError, match=rf"block_tables\[0, 1\] = {page} is not a block id in \[0, "
+    ):
+        check_kernel_errors("cpu")
+    check_kernel_errors("cpu")  # cleared: no second raise
+    assert kernel_error_buffer("cpu").tolist() == [0] * 5
+
+
+def test_guard_sees_a_bad_seq_len_and_keeps_the_first_violation():
+    case = make_decode_case(38, 2, 2, 2, 64, 8, (9, 4))
+    case["seq_lens"][1] = 10**5  # longer than the table can hold
+    case["block_tables"][0, 1] = -7
+    out = decode(case, "emulator", validate="guard")
+    assert out.isnan().all()
+    with pytest.raises(InvalidBlockTableError, match=r"(seq_lens\[1\] = 100000 is out of range)|(= -7)"):
+        check_kernel_errors()
+    with pytest.raises(InvalidArgumentError, match="validate must be None, True, False or one of"):
+        decode(case, "emulator", validate="sometimes")
+    with pytest.raises(
+        InvalidArgumentError, match="validate='guard' needs a kernel with the in-kernel guard"
+    ):
+        decode(case, "torch", validate="guard")
+    with pytest.raises(InvalidArgumentError, match="needs a kernel with the in-kernel guard"):
+        decode(case, "emulator", validate="guard", kernel_version=4)
+
+
+def test_validate_false_trusts_and_the_default_on_cpu_checks_on_the_host():
+    case = make_decode_case(39, 2, 2, 2, 64, 8, (9, 4))
+    case["block_tables"][0, 1] = 10**6
+    with pytest.raises(ValueError, match=r"block_tables\[0, 1\] = 1000000 is not a block id"):
+        decode(case, "emulator")  # CPU tensors: the host check is free, so it is the default
+    good = make_decode_case(39, 2, 2, 2, 64, 8, (9, 4))
+    assert_close(decode(good, "emulator", validate=False), reference_decode(good))
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_public_call_selects_any_version(version):
+    case = make_decode_case(40, 3, 4, 2, 64, 16, (5, 17, 33))
+    assert_close(decode(case, "emulator", kernel_version=version), reference_decode(case))
+    with pytest.raises(InvalidArgumentError, match="kernel_version applies to backends"):
+        decode(case, "torch", kernel_version=version)
 
 
 # ----------------------------------------------------------------------------- CuPy on a GPU
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("params", DECODE_GRID, ids=case_id)
-def test_cupy_matches_reference(params):
+def test_cupy_matches_reference(params, version):
     case = make_decode_case(31, *params, device="cuda")
-    assert_close(launch(case, "cupy"), reference_decode(case))
+    assert_close(launch(case, "cupy", version), reference_decode(case))
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("version", HALF_VERSIONS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("params", DECODE_GRID[::2], ids=case_id)
-def test_cupy_half_types_match_reference(params, dtype):
+def test_cupy_half_types_match_reference(params, dtype, version):
     case = make_decode_case(30, *params, dtype=dtype, device="cuda")
-    out = launch(case, "cupy")
+    out = launch(case, "cupy", version)
     assert out.dtype == dtype
     assert_close(out, reference_decode(case))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64, 128])
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_cupy_best_version_block_sizes_and_splits(block_size, dtype, num_splits):
+    case = make_decode_case(41, 4, 8, 2, 128, block_size, (1, 300, 1000, 77), dtype=dtype, device="cuda")
+    assert_close(launch(case, "cupy", num_splits=num_splits), reference_decode(case))
 
 
 @pytest.mark.gpu
@@ -258,6 +406,30 @@ def test_cupy_backend_equals_torch_backend_and_emulator():
     cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
     torch.testing.assert_close(out.cpu(), decode(cpu, "emulator"), rtol=1e-5, atol=1e-5)
     assert torch.equal(decode(case, "auto"), out)  # "auto" picks this kernel for CUDA tensors
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cupy_guard_without_a_sync_and_in_a_cuda_graph(dtype):
+    """The default on CUDA tensors: no host check, the in-kernel guard. Captured in a CUDA graph, replays
+    equal the eager call; a bad id put into the captured table gives NaN rows and a clear error later."""
+    case = make_decode_case(42, 3, 8, 2, 128, 16, (40, 700, 5), dtype=dtype, device="cuda")
+    check_kernel_errors()
+    eager = decode(case, "cupy")  # also makes the error buffer (before capture)
+    assert_close(eager, reference_decode(case))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = decode(case, "cupy")
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+    check_kernel_errors()  # nothing recorded
+    case["block_tables"][1, 3] = 10**6  # in use by sequence 1 (700 tokens)
+    graph.replay()
+    assert captured[1].isnan().all() and torch.equal(captured[0], eager[0])
+    with pytest.raises(InvalidBlockTableError, match=r"block_tables\[1, 3\] = 1000000"):
+        check_kernel_errors()
 
 
 @pytest.mark.gpu

@@ -5,13 +5,23 @@ Prefill (`paged_prefill_attention`): each sequence's new tokens (its last ones, 
 cache) attend causally to everything before them. Token t of sequence s lives at
     key_cache[block_tables[s, t // block_size], t % block_size]    # (num_kv_heads, head_size)
 
-Everything is validated on the host before any backend runs (`validate_decode_args`): the index
-tensors come to the host in one copy (none for CPU tensors) and are checked there with numpy. The
-"torch" backend here is the naive one: gather the pages into a contiguous tensor, then
+Shapes, dtypes and devices are always checked on the host (no device access). The block tables and
+seq_lens -- values that live on the device -- are checked in one of three ways (`validate=`):
+    "host"   (True)  copy them to the host and check with numpy before any backend runs: free for CPU
+                     tensors, one device->host copy and sync for CUDA tensors. The default on the CPU,
+                     and on CUDA for backends without a guard (torch, kernel versions 1-4).
+    "guard"          the in-kernel guard (kernel version 5, CUDA by default, or the emulator when asked):
+                     every page id is checked as the kernel loads it, a bad one is never read, its
+                     sequence's output rows are NaN and the first violation (sequence, table entry, value)
+                     is recorded in a device-side buffer. No sync: `check_kernel_errors()` reads the buffer
+                     (one sync) and raises InvalidBlockTableError; the engine calls it once per step.
+    "trust"  (False) no check at all, for a caller that checked these tables already (check_block_tables).
+The "torch" backend is the naive one: gather the pages into a contiguous tensor, then
 `scaled_dot_product_attention` (float32 softmax for half types) with the padding masked. "cupy" (a
 CUDA kernel on a GPU) and "emulator" (the same CUDA source on the CPU) live in `vllmini.cuda_kernels`
-and are imported only when asked for. "auto" picks "cupy" for CUDA tensors of a dtype the kernels
-take (KERNEL_DTYPES) when CuPy works, else "torch"; never the emulator.
+and are imported only when asked for; `kernel_version=` picks one of its kernels (None: the best one).
+"auto" picks "cupy" for CUDA tensors of a dtype the kernels take (KERNEL_DTYPES) when CuPy works, else
+"torch"; never the emulator.
 
 Index dtypes: block_tables, seq_lens and query_start_loc may be int32 (vLLM's choice) or int64; they
 are normalized to contiguous int32. Padding entries of block_tables (past a sequence's length) are
@@ -29,9 +39,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from vllmini.errors import InvalidArgumentError, InvalidBlockTableError
 from vllmini.kv_cache import _check_cache_pair
 
 BACKENDS = ("auto", "torch", "cupy", "emulator")
+VALIDATE_MODES = (
+    "host",
+    "guard",
+    "trust",
+)  # validate= also takes None (auto), True ("host"), False ("trust")
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -174,7 +190,7 @@ def _check_table_shapes(key_cache: torch.Tensor, block_tables, seq_lens, num_seq
     device = key_cache.device
     _check_index_tensor("block_tables", block_tables, "[num_seqs, max_num_blocks_per_seq]", 2, device)
     _check_index_tensor("seq_lens", seq_lens, "[num_seqs]", 1, device)
-    if block_tables.shape[0] != num_seqs or block_tables.shape[1] < 1:
+    if block_tables.shape[0] != num_seqs or (num_seqs > 0 and block_tables.shape[1] < 1):
         raise ValueError(
             f"block_tables must be [num_seqs={num_seqs}, max_num_blocks_per_seq>=1], "
             f"got shape {tuple(block_tables.shape)}"
@@ -184,7 +200,10 @@ def _check_table_shapes(key_cache: torch.Tensor, block_tables, seq_lens, num_seq
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:
-    """Contiguous int32 (free when it already is)."""
+    """Contiguous int32 (free when it already is). int64 values outside int32 are clamped, not wrapped,
+    so an id like 2**40 stays out of range for the in-kernel guard instead of becoming a valid id."""
+    if t.dtype == torch.int64:
+        t = t.clamp(-(2**31), 2**31 - 1)
     return t.to(torch.int32).contiguous()
 
 
@@ -415,6 +434,81 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype | Non
     return backend
 
 
+# ----------------------------------------------------------------------------- the in-kernel guard's record
+
+ERROR_FIELDS = 5  # flag, sequence, table entry (-1: seq_lens), value, limit
+_error_buffers: dict[torch.device, torch.Tensor] = {}  # device -> int32 [ERROR_FIELDS], zero when clean
+
+
+def _normalize_device(device: torch.device | str) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def kernel_error_buffer(device: torch.device | str) -> torch.Tensor:
+    """The int32 [5] buffer the guarded kernels on `device` record their first violation in (made on
+    first use: make one guarded call before capturing a CUDA graph)."""
+    device = _normalize_device(device)
+    if device not in _error_buffers:
+        _error_buffers[device] = torch.zeros(ERROR_FIELDS, dtype=torch.int32, device=device)
+    return _error_buffers[device]
+
+
+def check_kernel_errors(device: torch.device | str | None = None) -> None:
+    """Raise InvalidBlockTableError if a guarded kernel call (validate="guard", the default for CUDA
+    tensors) saw a bad block id or seq_len since the last check; clears the record. One device->host
+    copy (a sync) per device checked: call it once per step (the engine does, before committing a
+    step), not per layer. `device` None checks every device that has a record."""
+    devices = list(_error_buffers) if device is None else [_normalize_device(device)]
+    for d in devices:
+        buf = _error_buffers.get(d)
+        if buf is None:
+            continue
+        flag, seq, entry, value, limit = buf.tolist()
+        if not flag:
+            continue
+        buf.zero_()
+        if entry < 0:
+            raise InvalidBlockTableError(
+                f"seq_lens[{seq}] = {value} is out of range: expected 1 .. max_num_blocks_per_seq * "
+                f"block_size = {limit} (seen on {d} by the in-kernel guard; that sequence's output is NaN)"
+            )
+        raise InvalidBlockTableError(
+            f"block_tables[{seq}, {entry}] = {value} is not a block id in [0, {limit}) (seen on {d} by the "
+            f"in-kernel guard of a paged_attention call since the last check; that sequence's output is NaN)"
+        )
+
+
+def _table_check_mode(validate, device: torch.device, backend: str, guard_available: bool) -> str:
+    """validate= (None, True, False or a VALIDATE_MODES name) -> "host", "guard" or "trust"."""
+    if validate is None:
+        return "guard" if device.type == "cuda" and guard_available else "host"
+    if validate is True or validate is False:
+        return "host" if validate else "trust"
+    if validate not in VALIDATE_MODES:
+        raise InvalidArgumentError(
+            f"validate must be None, True, False or one of {VALIDATE_MODES}, got {validate!r}"
+        )
+    if validate == "guard" and not guard_available:
+        raise InvalidArgumentError(
+            f"validate='guard' needs a kernel with the in-kernel guard (backend 'cupy' or 'emulator', "
+            f"kernel version 5); backend is {backend!r}"
+        )
+    return validate
+
+
+def guarded_by_default(backend: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """True when paged_attention(..., backend=backend) on such tensors checks its tables with the
+    in-kernel guard by default (CUDA, a kernel with a guard): a caller then skips its own host check
+    and calls check_kernel_errors() once per step instead."""
+    if resolve_backend(backend, device, dtype) != "cupy":
+        return False
+    cuda_kernels = importlib.import_module("vllmini.cuda_kernels")
+    return cuda_kernels.resolve_kernel_version(None, dtype).guard
+
+
 def paged_attention(
     query: torch.Tensor,  # (num_seqs, num_heads, head_size)
     key_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_size)
@@ -424,26 +518,45 @@ def paged_attention(
     scale: float | None = None,
     *,
     backend: str = "auto",
-    validate: bool = True,
+    validate: bool | str | None = None,
+    kernel_version: int | str | None = None,
 ) -> torch.Tensor:  # (num_seqs, num_heads, head_size), query's dtype
     """Decode attention through block tables: each sequence's one query token attends to its
     seq_lens[s] cached tokens. backend: "torch", "cupy", "emulator" or "auto" (see module doc).
 
-    validate=False skips the block-table and seq_lens checks (one host copy and sync per call); only
-    for a caller that checked these same tables with `check_block_tables` first, as the model does once
-    per forward for all its layers. Shapes, dtypes and devices are always checked."""
+    validate: how block_tables and seq_lens are checked (module doc): None (default) = "host" on the CPU,
+    "guard" on CUDA when the kernel has one (no host sync: errors surface at check_kernel_errors());
+    True = "host" (one sync on CUDA), False = "trust", or "guard". kernel_version (backends "cupy" and
+    "emulator"): a number or name from vllmini.cuda_kernels.kernel_versions(); None = the best one."""
     _check_backend_name(backend)
-    a, lens = _validate_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, validate)
+    a, _ = _validate_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, check_tables=False)
     backend = resolve_backend(backend, a.query.device, a.query.dtype)
-    if a.query.shape[0] == 0:
+    version = None
+    if backend in ("cupy", "emulator"):
+        cuda_kernels = importlib.import_module("vllmini.cuda_kernels")  # lazy: only kernel users pay for it
+        version = cuda_kernels.resolve_kernel_version(kernel_version, a.query.dtype)
+    elif kernel_version is not None:
+        raise InvalidArgumentError(
+            f"kernel_version applies to backends 'cupy' and 'emulator', not {backend!r}; "
+            f"got {kernel_version!r}"
+        )
+    mode = _table_check_mode(validate, a.query.device, backend, version is not None and version.guard)
+    num_seqs = a.query.shape[0]
+    lens = None
+    if mode == "host" and num_seqs:
+        bt, lens = _host_view(block_tables, seq_lens)  # the caller's values (int64 ones unclamped)
+        lens = _check_tables_host(bt, lens, a.key_cache.shape[0], a.key_cache.shape[1])
+        a = a._replace(max_seq_len=int(lens.max()))
+    if num_seqs == 0:
         return torch.empty_like(a.query)
     if backend == "torch":
         return _decode_torch(a, int(lens.min()) if lens is not None else 0)  # 0: mask, lengths unknown
-    cuda_kernels = importlib.import_module("vllmini.cuda_kernels")  # lazy: only kernel users pay for it
     out = torch.empty_like(a.query)
-    cuda_kernels.paged_attention_v1(
-        a.query, a.key_cache, a.value_cache, a.block_tables, a.seq_lens, a.scale, out, runtime=backend
-    )
+    error = kernel_error_buffer(a.query.device) if mode == "guard" else None
+    cuda_kernels.paged_attention_kernel(
+        a.query, a.key_cache, a.value_cache, a.block_tables, a.seq_lens, a.scale, out, runtime=backend,
+        version=version, error=error, _validated=True,
+    )  # fmt: skip
     return out
 
 

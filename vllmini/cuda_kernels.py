@@ -8,33 +8,130 @@ run the same source:
 compile_for_arch() compiles a source for a given GPU architecture with CuPy's low-level NVRTC binding; it
 needs neither a GPU nor a driver (only the nvidia-cuda-nvrtc wheel), which is how CI checks every kernel.
 
+Kernel versions: kernels/paged_attention_<n>_<what it adds>.cu, one file per idea (VERSIONS; a version
+whose file is missing is simply absent from kernel_versions()). `paged_attention_kernel` launches any of
+them the same way on either runtime. The rule for backend="cupy" (and "emulator") when no version is
+asked for: the highest-numbered version present that has an entry point for the dtype -- today version
+5 for float32, float16 and bfloat16 alike, since it is at or near the read ceiling on every shape
+measured (benchmarks/RESULTS.md). Version 5 then chooses its own work split (launch_plan): one block per
+group of query heads sharing a KV head (GQA), and a context split when the batch gives fewer than
+SPLIT_TARGET_BLOCKS_PER_SM blocks per SM. `vllmini.paged_attention(..., kernel_version=n)` selects
+another version for teaching and benchmarking.
+
 Callers normally go through vllmini.paged_attention(..., backend="cupy"|"emulator"), which validates the
 inputs first; the launchers here assume validated, contiguous inputs.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
+
+from vllmini.checks import as_int, one_of
+from vllmini.errors import InvalidArgumentError, InvalidTypeError
 
 RUNTIMES = ("cupy", "emulator")
 ARCHS = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90")  # T4, A100, RTX 30xx/A10, L4/RTX 40xx, H100/H200
 NVRTC_OPTIONS = ("--std=c++17",)
 
-# paged_attention_v1 launch shape: one thread block of NUM_THREADS per (sequence, query head).
-NUM_THREADS = 256
 WARP_SIZE = 32
-MAX_HEAD_SIZE = 256  # the kernel keeps head_size / 32 floats per lane in registers (MAX_HEAD_SIZE in the .cu)
-MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y (the head axis)
-# element type -> kernel entry point; 16-bit types travel as their raw bits (unsigned short in the kernel)
-V1_FUNCTIONS = {
-    torch.float32: "paged_attention_v1",
-    torch.float16: "paged_attention_v1_f16",
-    torch.bfloat16: "paged_attention_v1_bf16",
-}
+MAX_HEAD_SIZE = 256  # versions 2-5: head_size / 32 floats per lane in registers
+MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
+DEFAULT_SHARED_BYTES = 48 * 1024  # dynamic shared memory a block gets without opting in
+MAX_SHARED_BYTES = 232448  # the most an H100/H200 block may opt into (227 KiB); less on older GPUs
+DTYPE_SUFFIX = {torch.float32: "", torch.float16: "_f16", torch.bfloat16: "_bf16"}  # entry point suffixes
+
+
+@dataclass(frozen=True)
+class KernelVersion:
+    """One paged-attention kernel: kernels/paged_attention_<number>_<name>.cu and how to launch it."""
+
+    number: int
+    name: str  # what the version adds, e.g. "half_warps"
+    dtypes: tuple[torch.dtype, ...]  # element types it has entry points for
+    threads: int  # threads per block
+    guard: bool  # checks page ids in the kernel (the error buffer of vllmini.attention)
+    summary: str  # one line: what it adds
+
+    @property
+    def file(self) -> str:
+        """The file stem, also the float32 entry point's name."""
+        return f"paged_attention_{self.number}_{self.name}"
+
+    def function(self, dtype: torch.dtype) -> str:
+        """The entry point for an element type: the stem, then _f16 / _bf16 for 16-bit types."""
+        return self.file + DTYPE_SUFFIX[dtype]
+
+    def available(self) -> bool:
+        """True when its .cu file is present (a version whose file is missing is simply absent)."""
+        try:
+            return (kernel_dir() / f"{self.file}.cu").is_file()
+        except FileNotFoundError:
+            return False
+
+
+_ALL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# every version the course has, in order; kernel_versions() keeps those whose file is present
+VERSIONS: tuple[KernelVersion, ...] = (
+    KernelVersion(
+        1, "plain", (torch.float32,), 128, False, "scores in shared memory, three passes (notebook 05)"
+    ),
+    KernelVersion(2, "warp_softmax", _ALL_DTYPES, 256, False, "a warp per token, online softmax per warp"),
+    KernelVersion(3, "vector_loads", _ALL_DTYPES, 256, False, "lanes own consecutive dims: 16-byte loads"),
+    KernelVersion(4, "half_warps", _ALL_DTYPES, 256, False, "16-bit rows in half warps: 2 tokens a warp"),
+    KernelVersion(
+        5, "gqa_split", _ALL_DTYPES, 128, True, "a block per KV head, split contexts, fewer shuffles, guard"
+    ),
+)
+
+
+@functools.cache
+def _present_versions() -> tuple[KernelVersion, ...]:
+    return tuple(v for v in VERSIONS if v.available())  # looked up once: file checks cost ~100 us a call
+
+
+def kernel_versions() -> dict[int, KernelVersion]:
+    """The versions whose .cu file is present (when first asked), by number."""
+    return {v.number: v for v in _present_versions()}
+
+
+def resolve_kernel_version(version: int | str | None, dtype: torch.dtype | None = None) -> KernelVersion:
+    """A KernelVersion from a number (4), a name ("half_warps") or a stem ("4_half_warps"); None picks the
+    best: the highest-numbered version present that has an entry point for `dtype` (today 5 for every
+    dtype; version 5 then chooses its own heads per block and context splits, see launch_plan)."""
+    versions = kernel_versions()
+    if version is None:
+        usable = [v for v in versions.values() if dtype is None or dtype in v.dtypes]
+        if not usable:
+            raise InvalidTypeError(
+                f"no paged-attention kernel takes {dtype}; kernels exist for {_ALL_DTYPES}"
+            )
+        return max(usable, key=lambda v: v.number)
+    if isinstance(version, str):
+        found = [v for v in versions.values() if version in (v.name, f"{v.number}_{v.name}", v.file)]
+        if not found:
+            names = [f"{v.number}_{v.name}" for v in versions.values()]
+            raise InvalidArgumentError(f"kernel_version {version!r} is not one of {names} (or their numbers)")
+        chosen = found[0]
+    else:
+        number = as_int(version, "kernel_version")
+        if number not in versions:
+            raise InvalidArgumentError(
+                f"kernel_version must be one of {sorted(versions)} (the kernels/ files present), got {number}"
+            )
+        chosen = versions[number]
+    if dtype is not None and dtype not in chosen.dtypes:
+        raise InvalidTypeError(
+            f"kernel version {chosen.number} ({chosen.name}) supports {list(chosen.dtypes)}, got {dtype}"
+        )
+    return chosen
+
 
 _cupy_modules: dict[tuple[str, int], object] = {}  # (file, device) -> cupy.RawModule
 _cupy_kernels: dict[tuple[str, str, int], object] = {}  # (file, function, device) -> kernel
@@ -121,17 +218,19 @@ def compile_for_arch(
 # ----------------------------------------------------------------------------- kernels for each runtime
 
 
-def _cupy_kernel(file: str, function: str, device: int, source: str | None = None):
-    """cupy.RawKernel for kernels/<file>.cu::function on a device; the file is compiled once per device.
-    `source` replaces the file's text (benchmarks comparing kernel versions); cached under its own key."""
-    key = file if source is None else f"{file}@{hash(source)}"
+def _cupy_kernel(
+    file: str, function: str, device: int, source: str | None = None, options: tuple[str, ...] = ()
+):
+    """cupy.RawKernel for kernels/<file>.cu::function on a device; the file is compiled once per device
+    and set of extra NVRTC options. `source` replaces the file's text (benchmarks comparing variants)."""
+    key = (file if source is None else f"{file}@{hash(source)}") + "".join(options)
     if (key, function, device) not in _cupy_kernels:
         import cupy
 
         with cupy.cuda.Device(device):
             if (key, device) not in _cupy_modules:
                 code = read_kernel_source(file) if source is None else source
-                _cupy_modules[key, device] = cupy.RawModule(code=code, options=NVRTC_OPTIONS)
+                _cupy_modules[key, device] = cupy.RawModule(code=code, options=(*NVRTC_OPTIONS, *options))
             _cupy_kernels[key, function, device] = _cupy_modules[key, device].get_function(function)
     return _cupy_kernels[key, function, device]
 
@@ -159,94 +258,270 @@ def _emulator_kernel(file: str, function: str):
     return _emulator_kernels[key]
 
 
-# ----------------------------------------------------------------------------- paged_attention_v1
+# ----------------------------------------------------------------------------- launching any version
+
+EMULATOR_SMS = 4  # the "multiprocessors" launch_plan assumes for the emulator (a CPU runs blocks one by one)
+SPLIT_TARGET_BLOCKS_PER_SM = 8  # version 5 splits contexts until the grid has this many blocks per SM
+MIN_SPLIT_TOKENS = (
+    256  # ... but never into pieces shorter than this (the merge would cost more than it gains)
+)
+MERGE_THREADS = 128
 
 
-def launch_config_v1(num_seqs: int, num_heads: int, head_size: int) -> tuple[tuple, tuple, int]:
-    """(grid, block, shared_mem bytes) for paged_attention_v1: a block of NUM_THREADS per (seq, head)."""
-    num_groups = NUM_THREADS // 16  # lane groups: 32 lanes for float32, 16 for 16-bit types (the most)
-    shared_mem = num_groups * (head_size + 2) * 4  # per-group max, sum and partial output (float32)
-    return (num_seqs, num_heads, 1), (NUM_THREADS, 1, 1), shared_mem
+class LaunchPlan(NamedTuple):
+    """How one call launches a version: the main kernel's shape and, for version 5, its work split."""
+
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    shared_mem: int  # dynamic shared memory, bytes
+    heads_per_block: int  # query heads one block serves (version 5: a GQA group, at most 4)
+    num_splits: int  # context pieces per (sequence, head block); > 1 adds the merge kernel
+    pages_per_split: int
+    options: tuple[str, ...]  # extra NVRTC options (version 5 compiles one head-size copy per module)
 
 
-def paged_attention_v1(
+@functools.cache
+def num_sms(device_index: int) -> int:
+    """Streaming multiprocessors of a CUDA device (asked once)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def launch_plan(
+    version: KernelVersion,
+    num_seqs: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    block_size: int,
+    max_num_blocks_per_seq: int,
+    dtype: torch.dtype,
+    sms: int,
+    num_splits: int | None = None,
+) -> LaunchPlan:
+    """The launch of `version` for these sizes on a GPU with `sms` multiprocessors.
+
+    Versions 1-4: one block per (sequence, query head). Version 5: one block per (sequence, group of
+    heads_per_block query heads sharing a KV head, context piece); heads_per_block is the largest of 4, 2,
+    1 that divides the GQA group (2 at most for 16-bit head sizes above 128: registers). The context is
+    split when the grid would have fewer than SPLIT_TARGET_BLOCKS_PER_SM blocks per SM, into as many
+    pieces as fill it but none shorter than MIN_SPLIT_TOKENS tokens. The lengths are not known on the
+    host without a sync, so the pieces are cut from the block table's width (max_num_blocks_per_seq *
+    block_size); a piece past a shorter sequence's end exits at once. `num_splits` forces a count."""
+    chunks = -(-head_size // WARP_SIZE)  # 32-dim chunks of a head
+    if version.number < 5:
+        if version.number == 1:
+            shared_mem = (max_num_blocks_per_seq * block_size + version.threads) * 4  # scores + scratch
+        else:
+            shared_mem = (version.threads // 16) * (head_size + 2) * 4  # per lane group: max, sum, output
+        return LaunchPlan(
+            (num_seqs, num_heads, 1), (version.threads, 1, 1), shared_mem, 1, 1, max_num_blocks_per_seq, ()
+        )
+    group = num_heads // num_kv_heads
+    sixteen = dtype != torch.float32
+    hb_max = 1 if group == 1 else (2 if sixteen and chunks > 4 else 4)
+    heads_per_block = max(h for h in (4, 2, 1) if h <= hb_max and group % h == 0)
+    compiled_hb = 1 if heads_per_block == 1 else hb_max  # the copy's HBMAX (registers, shared memory)
+    blocks = num_seqs * (num_heads // heads_per_block)
+    if num_splits is None:
+        target = SPLIT_TARGET_BLOCKS_PER_SM * sms
+        longest = max_num_blocks_per_seq * block_size
+        num_splits = 1 if blocks >= target else min(-(-target // blocks), max(1, longest // MIN_SPLIT_TOKENS))
+    num_splits = max(1, min(num_splits, max_num_blocks_per_seq))
+    pages_per_split = -(-max_num_blocks_per_seq // num_splits)
+    num_splits = -(-max_num_blocks_per_seq // pages_per_split)  # no empty piece at the end
+    lane_group = 16 if sixteen else 32
+    shared_mem = (version.threads // lane_group) * compiled_hb * (head_size + 2) * 4
+    options = (f"-DVLLMINI_ONLY_CHUNKS={chunks}", f"-DVLLMINI_ONLY_GQA={int(heads_per_block > 1)}")
+    grid = (num_seqs, num_heads // heads_per_block, num_splits)
+    return LaunchPlan(
+        grid, (version.threads, 1, 1), shared_mem, heads_per_block, num_splits, pages_per_split, options
+    )
+
+
+def _check_launch_inputs(runtime, tensors, names, query, key_cache, version) -> None:
+    """What no kernel survives: wrong runtime/device, dtypes, layout, head size, grid limits."""
+    one_of(runtime, "runtime", RUNTIMES)
+    if query.dtype not in version.dtypes:
+        raise InvalidTypeError(
+            f"kernel version {version.number} ({version.name}) supports {list(version.dtypes)}, "
+            f"got query of {query.dtype}"
+        )
+    for arg, t in zip(names[1:3], tensors[1:3], strict=True):
+        if t.dtype != query.dtype:
+            raise InvalidTypeError(f"{arg} must have the query's dtype {query.dtype}, got {t.dtype}")
+    for arg, t in zip(names[3:5], tensors[3:5], strict=True):
+        if t.dtype != torch.int32:
+            raise InvalidTypeError(f"{arg} must be int32, got {t.dtype}")
+    for arg, t in zip(names, tensors, strict=True):
+        if not t.is_contiguous():
+            raise InvalidArgumentError(f"{arg} must be contiguous (vllmini.paged_attention makes it so)")
+    head_size, num_heads, num_kv_heads = query.shape[2], query.shape[1], key_cache.shape[2]
+    if version.number > 1 and head_size > MAX_HEAD_SIZE:
+        raise InvalidArgumentError(
+            f"kernel version {version.number} supports head_size <= {MAX_HEAD_SIZE}, got {head_size}"
+        )
+    if num_heads > MAX_GRID_YZ:
+        raise InvalidArgumentError(f"num_heads must be <= {MAX_GRID_YZ} (gridDim.y), got {num_heads}")
+    if num_heads % num_kv_heads != 0:
+        raise InvalidArgumentError(
+            f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+        )
+    if runtime == "cupy" and any(t.device.type != "cuda" or t.device != query.device for t in tensors):
+        raise InvalidArgumentError(
+            f"runtime 'cupy' needs all tensors on one CUDA device; query is on {query.device}"
+        )
+    if runtime == "emulator" and any(t.device.type != "cpu" for t in tensors):
+        raise InvalidArgumentError(f"runtime 'emulator' needs CPU tensors, query is on {query.device}")
+
+
+def paged_attention_kernel(
     query: torch.Tensor,  # [num_seqs, num_heads, head_size]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
     block_tables: torch.Tensor,  # int32 [num_seqs, max_num_blocks_per_seq]
     seq_lens: torch.Tensor,  # int32 [num_seqs]
     scale: float,
-    out: torch.Tensor,  # [num_seqs, num_heads, head_size], written
+    out: torch.Tensor,  # [num_seqs, num_heads, head_size], query's dtype, written
     runtime: str = "cupy",
     *,
+    version: KernelVersion | int | str | None = None,
+    error: torch.Tensor | None = None,  # int32 [5] guard record (versions with guard=True), or None
+    num_splits: int | None = None,
     source: str | None = None,
+    _validated: bool = False,
 ) -> torch.Tensor:
-    """Launch kernels/paged_attention_v1.cu on validated, contiguous inputs; fills and returns out.
+    """Launch one kernel version (None: the best, resolve_kernel_version) on validated, contiguous
+    inputs; fills and returns out. Sync-free: nothing is read back from the device.
 
-    query and caches float32, float16 or bfloat16 (out in the same dtype; the kernel computes in float32).
-    runtime "cupy" needs CUDA tensors, "emulator" CPU tensors. `source` (cupy only) launches another
-    version of the file's text with the same arguments, for benchmarks that compare versions. Checks only
-    what the kernel itself cannot survive (dtype, head size, grid size, contiguity);
-    vllmini.paged_attention checks the rest.
-    """
-    if runtime not in RUNTIMES:
-        raise ValueError(f"runtime must be one of {RUNTIMES}, got {runtime!r}")
-    num_seqs, num_heads, head_size = query.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
-    max_num_blocks_per_seq = block_tables.shape[1]
-    if query.dtype not in V1_FUNCTIONS:
-        raise TypeError(f"paged_attention_v1 supports {list(V1_FUNCTIONS)}, got query of {query.dtype}")
-    for arg, t in (("key_cache", key_cache), ("value_cache", value_cache), ("out", out)):
-        if t.dtype != query.dtype:
-            raise TypeError(f"{arg} must have the query's dtype {query.dtype}, got {t.dtype}")
-    for arg, t in (("block_tables", block_tables), ("seq_lens", seq_lens)):
-        if t.dtype != torch.int32:
-            raise TypeError(f"{arg} must be int32, got {t.dtype}")
-    tensors = (query, key_cache, value_cache, block_tables, seq_lens, out)
-    names = ("query", "key_cache", "value_cache", "block_tables", "seq_lens", "out")
-    for arg, t in zip(names, tensors, strict=True):
-        if not t.is_contiguous():
-            raise ValueError(f"{arg} must be contiguous (vllmini.paged_attention makes it so)")
-    if head_size > MAX_HEAD_SIZE:
-        raise ValueError(f"paged_attention_v1 supports head_size <= {MAX_HEAD_SIZE}, got {head_size}")
-    if num_heads > MAX_GRID_Y:
-        raise ValueError(
-            f"paged_attention_v1 supports num_heads <= {MAX_GRID_Y} (gridDim.y); got {num_heads}"
+    runtime "cupy" needs CUDA tensors, "emulator" CPU tensors; both run the same source the same way.
+    `error` turns on the in-kernel guard of versions that have one: bad page ids are never read, their
+    rows come out NaN and the first one is recorded in `error` (vllmini.attention.check_kernel_errors).
+    Without it the kernel trusts the tables. `num_splits` forces version 5's context split (tests).
+    `source` (cupy only) launches another text with the same arguments, for benchmarks of variants."""
+    v = version if isinstance(version, KernelVersion) else resolve_kernel_version(version, query.dtype)
+    if _validated:  # vllmini.paged_attention checked dtypes, shapes, devices and layout already
+        if v.number > 1 and query.shape[2] > MAX_HEAD_SIZE:
+            raise InvalidArgumentError(
+                f"kernel version {v.number} supports head_size <= {MAX_HEAD_SIZE}, got {query.shape[2]}"
+            )
+    else:
+        tensors = (query, key_cache, value_cache, block_tables, seq_lens, out)
+        names = ("query", "key_cache", "value_cache", "block_tables", "seq_lens", "out")
+        _check_launch_inputs(runtime, tensors, names, query, key_cache, v)
+    if out.dtype != query.dtype or out.shape != query.shape:
+        raise InvalidArgumentError(
+            f"out must be {query.dtype} {tuple(query.shape)}, got {out.dtype} {tuple(out.shape)}"
         )
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if error is not None and not v.guard:
+        raise InvalidArgumentError(
+            f"kernel version {v.number} ({v.name}) has no in-kernel guard; pass error=None"
+        )
+    num_seqs, num_heads, head_size = query.shape
+    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+    max_num_blocks_per_seq = block_tables.shape[1]
     if num_seqs == 0:
         return out
-
-    if runtime == "cupy" and any(t.device.type != "cuda" or t.device != query.device for t in tensors):
-        raise ValueError(f"runtime 'cupy' needs all tensors on one CUDA device; query is on {query.device}")
-    if runtime == "emulator" and any(t.device.type != "cpu" for t in tensors):
-        raise ValueError(f"runtime 'emulator' needs CPU tensors, query is on {query.device}")
-
-    # the kernel reads 16-byte vectors: a view that starts mid-row (a rare, odd storage offset) is copied
+    sms = num_sms(query.device.index) if runtime == "cupy" else EMULATOR_SMS
+    plan = launch_plan(
+        v, num_seqs, num_heads, num_kv_heads, head_size, block_size, max_num_blocks_per_seq, query.dtype, sms,
+        num_splits,
+    )  # fmt: skip
+    if plan.shared_mem > MAX_SHARED_BYTES:  # version 1 keeps every score of the context in shared memory
+        raise InvalidArgumentError(
+            f"kernel version {v.number} needs {plan.shared_mem} bytes of shared memory for a block table of "
+            f"{max_num_blocks_per_seq} x {block_size} tokens; at most {MAX_SHARED_BYTES} (H100/H200)"
+        )
+    # the kernels read 16-byte vectors: a view that starts mid-row (a rare, odd storage offset) is copied
     query, key_cache, value_cache = (
         t if t.data_ptr() % 16 == 0 else t.clone() for t in (query, key_cache, value_cache)
     )
-    grid, block, shared_mem = launch_config_v1(num_seqs, num_heads, head_size)
-    function = V1_FUNCTIONS[query.dtype]
-    out32 = (
-        out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32, device=out.device)
+    raw = [t if t.dtype == torch.float32 else t.view(torch.uint16) for t in (query, key_cache, value_cache)]
+    ints = (block_size, num_heads, head_size, num_kv_heads, max_num_blocks_per_seq)
+    if v.number < 5:  # (out float32, q, k, v, tables, lens, sizes..., scale); out cast after
+        out32 = (
+            out
+            if out.dtype == torch.float32
+            else torch.empty(out.shape, dtype=torch.float32, device=out.device)
+        )
+        args = (out32, *raw, block_tables, seq_lens, *map(np.int32, ints), np.float32(scale))
+        _launch(
+            v.file,
+            v.function(query.dtype),
+            runtime,
+            query.device,
+            plan.grid,
+            plan.block,
+            args,
+            plan.shared_mem,
+            source,
+            (),
+        )
+        if out32 is not out:
+            out.copy_(out32)  # the kernel accumulates and writes float32; round once, here
+        return out
+    out_raw = out if out.dtype == torch.float32 else out.view(torch.uint16)
+    part_out = part_ml = None
+    if plan.num_splits > 1:
+        part_out = torch.empty(
+            num_seqs, num_heads, plan.num_splits, head_size, dtype=torch.float32, device=out.device
+        )
+        part_ml = torch.empty(num_seqs, num_heads, plan.num_splits, 2, dtype=torch.float32, device=out.device)
+    sizes = (num_blocks, *ints, plan.heads_per_block, plan.pages_per_split)
+    args = (
+        out_raw,
+        part_out,
+        part_ml,
+        *raw,
+        block_tables,
+        seq_lens,
+        error,
+        *map(np.int32, sizes),
+        np.float32(scale),
     )
-    inputs = [
-        t if t.dtype == torch.float32 else t.view(torch.uint16) for t in (query, key_cache, value_cache)
-    ]
-    ints = [np.int32(x) for x in (block_size, num_heads, head_size, num_kv_heads, max_num_blocks_per_seq)]
+    options = plan.options if runtime == "cupy" else ()  # the emulator builds every copy once
+    _launch(
+        v.file,
+        v.function(query.dtype),
+        runtime,
+        query.device,
+        plan.grid,
+        plan.block,
+        args,
+        plan.shared_mem,
+        source,
+        options,
+    )
+    if plan.num_splits > 1:
+        merge_args = (out_raw, part_out, part_ml, np.int32(plan.num_splits), np.int32(head_size))
+        merge = f"{v.file}_merge{DTYPE_SUFFIX[query.dtype]}"
+        _launch(
+            v.file,
+            merge,
+            runtime,
+            query.device,
+            (num_seqs, num_heads, 1),
+            (MERGE_THREADS, 1, 1),
+            merge_args,
+            0,
+            source,
+            options,
+        )
+    return out
+
+
+def _launch(file, function, runtime, device, grid, block, args, shared_mem, source, options) -> None:
+    """One launch through CuPy (on torch's current stream, raw pointers) or the emulator."""
     if runtime == "cupy":
-        kernel = _cupy_kernel("paged_attention_v1", function, query.device.index, source)
-        pointers = [t.data_ptr() for t in (out32, *inputs, block_tables, seq_lens)]
         import cupy
 
-        with cupy.cuda.Device(query.device.index), _torch_stream(query.device):
-            kernel(grid, block, (*pointers, *ints, np.float32(scale)), shared_mem=shared_mem)
+        kernel = _cupy_kernel(file, function, device.index, source, options)
+        if shared_mem > DEFAULT_SHARED_BYTES and kernel.max_dynamic_shared_size_bytes < shared_mem:
+            kernel.max_dynamic_shared_size_bytes = shared_mem  # opt in (raises if the GPU has less)
+        cargs = tuple(
+            (0 if a is None else a.data_ptr()) if a is None or isinstance(a, torch.Tensor) else a
+            for a in args
+        )
+        with cupy.cuda.Device(device.index), _torch_stream(device):
+            kernel(grid, block, cargs, shared_mem=shared_mem)
     else:
-        kernel = _emulator_kernel("paged_attention_v1", function)
-        args = (out32, *inputs, block_tables, seq_lens, *ints, np.float32(scale))
-        kernel(grid, block, args, shared_mem=shared_mem)
-    if out32 is not out:
-        out.copy_(out32)  # the kernel accumulates and writes float32; round once, here
-    return out
+        _emulator_kernel(file, function)(grid, block, args, shared_mem=shared_mem)

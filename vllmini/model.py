@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vllmini.attention import check_block_tables, paged_attention, paged_prefill_attention
+from vllmini.attention import check_block_tables, guarded_by_default, paged_attention, paged_prefill_attention
 from vllmini.checks import as_float, as_int, one_of
 from vllmini.errors import CheckpointError, CheckpointNotFoundError, InvalidArgumentError, InvalidTypeError
 from vllmini.kv_cache import check_slot_mapping, reshape_and_cache
@@ -305,7 +305,8 @@ class Attention(nn.Module):
                 meta.block_tables[n:],
                 meta.seq_lens[n:],
                 backend=backend,
-                validate=False,
+                # the model checked the tables on the host this forward, or the kernel's guard checks them
+                validate="guard" if guarded_by_default(backend, q.device, q.dtype) else False,
             )
         return self.o_proj(out.view(T, self.num_heads * self.head_dim))
 
@@ -396,8 +397,10 @@ class LlamaModel(nn.Module):
                 f"got {tuple(meta.slot_mapping.shape)}"
             )
         check_slot_mapping(meta.slot_mapping, num_blocks * block_size, allow_padding=False)
-        if meta.num_decodes:
-            n = meta.num_prefills
+        if meta.num_decodes and not guarded_by_default(
+            backend, input_ids.device, kv_cache.key_caches[0].dtype
+        ):
+            n = meta.num_prefills  # (with the guard: no sync here; the engine calls check_kernel_errors)
             check_block_tables(meta.block_tables[n:], meta.seq_lens[n:], num_blocks, block_size)
         x = self.embed_tokens(input_ids)  # (T, hidden)
         if self.inv_freq.device != positions.device:

@@ -1,4 +1,4 @@
-// paged_attention_v1.cu -- decode attention that reads K and V through the page table.
+// paged_attention_4_half_warps.cu -- decode attention that reads K and V through the page table.
 //
 // What it computes, for every sequence s and query head h (one new token per sequence):
 //     kv = h / (num_heads / num_kv_heads)                      grouped-query / multi-query attention
@@ -16,12 +16,12 @@
 //     block_tables    int32 [num_seqs, max_num_blocks_per_seq]  (entries past a sequence's length unused)
 //     seq_lens        int32 [num_seqs]
 //
-// Entry points: paged_attention_v1 (float32), paged_attention_v1_f16 and paged_attention_v1_bf16 (the
+// Entry points: paged_attention_4_half_warps (float32), paged_attention_4_half_warps_f16 and paged_attention_4_half_warps_bf16 (the
 // query and caches passed as their raw 16-bit patterns, unsigned short; widened to float in registers,
 // so no cuda_fp16.h is needed and every architecture compiles them). The softmax and every sum are float32
 // and out is float32; vllmini.cuda_kernels casts it to the query's dtype.
 //
-// Launch: grid = (num_seqs, num_heads), blockIdx.x = sequence, blockIdx.y = query head (the seed's
+// Launch: grid = (num_seqs, num_heads), blockIdx.x = sequence, blockIdx.y = query head (vLLM's
 // layout); one thread block per (sequence, head) pair. block = NUM_WARPS * 32 threads (256 in vllmini).
 // head_size is a run-time argument, but each entry point switches once on DIMS to a copy of the loop
 // compiled for it, so the per-lane arrays live in registers and the loads can be vectorized.
@@ -55,20 +55,12 @@
 // GQA: each query head is its own thread block, so a KV head is read num_heads / num_kv_heads times
 // (from L2 when lucky) -- the price of the simple grid.
 //
-// Versions (all in this file; `git log -p kernels/paged_attention_v1.cu` shows each change; times are
-// the kernel alone on an H200, benchmarks/bench_kernel.py, recorded in benchmarks/RESULTS.md):
-//   v1: one thread block per (sequence, query head), a warp per token for the scores (lane l owns dims
-//       l, l+32, ...), an online softmax per warp and one cross-warp merge; float32, float16 and
-//       bfloat16 through one template. float32 B=64 H=32 L=4096: 6479 us (1.3 TB/s).
-//   v1.1: lanes own consecutive dims (16-byte loads), the loop compiled per DIMS, a step's V rows loaded
-//       with its K rows, float16 widened by the GPU's conversion instruction instead of bit twiddling.
-//       float32 B=64 H=32 L=4096: about 2000 us (4.3 TB/s, the measured read bandwidth).
-//   v1.2 (now): 16-bit types in groups of 16 lanes, two tokens per warp, so each shuffle, exp and page
-//       lookup serves two tokens. Measured side by side with v1.1: 1.5-1.8x faster for one long
-//       sequence (B=1), but 0-17% slower for the batched shapes (B=64, MHA and GQA), which stay at
-//       2.4-2.7 TB/s: 16-bit inputs are still bound by per-token instructions, not by memory.
-//   Not done yet: splitting long sequences over several blocks (vLLM's v2), one block per KV head under
-//   GQA (each KV head is now read once per query head, from L2 when lucky).
+// Version 4 (what it adds to paged_attention_3_vector_loads.cu): 16-bit types in groups of 16 lanes,
+// two tokens per warp, so each shuffle, exp and page lookup serves two tokens. Measured side by side
+// with version 3: 1.5-1.8x faster for one long sequence (B=1), but 0-17% slower for the batched shapes
+// (B=64, MHA and GQA), which stay at 2.4-2.7 TB/s: 16-bit inputs are still bound by per-token
+// instructions, not by memory. Not done here: splitting long sequences over several blocks (vLLM's
+// v2), one block per KV head under GQA -- both in paged_attention_5_*.cu.
 
 #define WARP_SIZE 32
 #define MAX_HEAD_SIZE 256
@@ -169,7 +161,7 @@ extern __shared__ float smem[];
 // two tokens at once and every shuffle, exp and page lookup serves two tokens. Each group takes TOKENS
 // consecutive tokens per step; the groups of the block share the sequence in chunks.
 template <typename Dtype, int DIMS, int TOKENS, int GROUP>
-__device__ void paged_attention_v1_impl(
+__device__ void paged_attention_4_half_warps_impl(
     float* __restrict__ out,                                  // [num_seqs, num_heads, head_size]
     const typename Dtype::storage* __restrict__ query,        // [num_seqs, num_heads, head_size]
     const typename Dtype::storage* __restrict__ key_cache,    // [num_blocks, block_size, kv_heads, head_size]
@@ -288,7 +280,7 @@ __device__ void paged_attention_v1_impl(
 // copy keeps about as many values in registers). 16-bit types: groups of 16 lanes, so DIMS =
 // 2 * ceil(head_size / 32) (one 16-byte load per lane for head_size 128), TOKENS about 32 / DIMS.
 template <typename Dtype>
-__device__ void paged_attention_v1_dispatch(
+__device__ void paged_attention_4_half_warps_dispatch(
     float* __restrict__ out, const typename Dtype::storage* __restrict__ q,
     const typename Dtype::storage* __restrict__ k_cache, const typename Dtype::storage* __restrict__ v_cache,
     const int* __restrict__ block_tables, const int* __restrict__ seq_lens, const int block_size,
@@ -301,7 +293,7 @@ __device__ void paged_attention_v1_dispatch(
         return;
     }
 #define VLLMINI_IMPL(D, T, G)                                                                                  \
-    paged_attention_v1_impl<Dtype, D, T, G>(out, q, k_cache, v_cache, block_tables, seq_lens, block_size,      \
+    paged_attention_4_half_warps_impl<Dtype, D, T, G>(out, q, k_cache, v_cache, block_tables, seq_lens, block_size,      \
                                             num_heads, head_size, num_kv_heads, max_num_blocks_per_seq, scale); \
     break;
 #define VLLMINI_V1_CASE(D, T) case D: VLLMINI_IMPL(D, T, 32)
@@ -334,9 +326,9 @@ __device__ void paged_attention_v1_dispatch(
 #undef VLLMINI_IMPL
 }
 
-// The entry points CuPy and the emulator look up by name, one per element type. The seed's signature,
-// extended with num_kv_heads, max_num_blocks_per_seq and scale.
-extern "C" __global__ void paged_attention_v1(
+// The entry points CuPy and the emulator look up by name, one per element type. vLLM's argument order,
+// with num_kv_heads, max_num_blocks_per_seq and scale.
+extern "C" __global__ void paged_attention_4_half_warps(
     float* __restrict__ out,                // [num_seqs, num_heads, head_size]
     const float* __restrict__ q,            // [num_seqs, num_heads, head_size]
     const float* __restrict__ k_cache,      // [num_blocks, block_size, num_kv_heads, head_size]
@@ -345,24 +337,24 @@ extern "C" __global__ void paged_attention_v1(
     const int* __restrict__ seq_lens,       // [num_seqs]
     const int block_size, const int num_heads, const int head_size,
     const int num_kv_heads, const int max_num_blocks_per_seq, const float scale) {
-    paged_attention_v1_dispatch<Float32>(out, q, k_cache, v_cache, block_tables, seq_lens, block_size, num_heads,
+    paged_attention_4_half_warps_dispatch<Float32>(out, q, k_cache, v_cache, block_tables, seq_lens, block_size, num_heads,
                                          head_size, num_kv_heads, max_num_blocks_per_seq, scale);
 }
 
-extern "C" __global__ void paged_attention_v1_f16(  // q, k_cache, v_cache: float16 bits
+extern "C" __global__ void paged_attention_4_half_warps_f16(  // q, k_cache, v_cache: float16 bits
     float* __restrict__ out, const unsigned short* __restrict__ q, const unsigned short* __restrict__ k_cache,
     const unsigned short* __restrict__ v_cache, const int* __restrict__ block_tables,
     const int* __restrict__ seq_lens, const int block_size, const int num_heads, const int head_size,
     const int num_kv_heads, const int max_num_blocks_per_seq, const float scale) {
-    paged_attention_v1_dispatch<Float16>(out, q, k_cache, v_cache, block_tables, seq_lens, block_size, num_heads,
+    paged_attention_4_half_warps_dispatch<Float16>(out, q, k_cache, v_cache, block_tables, seq_lens, block_size, num_heads,
                                          head_size, num_kv_heads, max_num_blocks_per_seq, scale);
 }
 
-extern "C" __global__ void paged_attention_v1_bf16(  // q, k_cache, v_cache: bfloat16 bits
+extern "C" __global__ void paged_attention_4_half_warps_bf16(  // q, k_cache, v_cache: bfloat16 bits
     float* __restrict__ out, const unsigned short* __restrict__ q, const unsigned short* __restrict__ k_cache,
     const unsigned short* __restrict__ v_cache, const int* __restrict__ block_tables,
     const int* __restrict__ seq_lens, const int block_size, const int num_heads, const int head_size,
     const int num_kv_heads, const int max_num_blocks_per_seq, const float scale) {
-    paged_attention_v1_dispatch<BFloat16>(out, q, k_cache, v_cache, block_tables, seq_lens, block_size, num_heads,
+    paged_attention_4_half_warps_dispatch<BFloat16>(out, q, k_cache, v_cache, block_tables, seq_lens, block_size, num_heads,
                                           head_size, num_kv_heads, max_num_blocks_per_seq, scale);
 }

@@ -1,0 +1,314 @@
+// paged_attention_3_vector_loads.cu -- decode attention that reads K and V through the page table.
+//
+// What it computes, for every sequence s and query head h (one new token per sequence):
+//     kv = h / (num_heads / num_kv_heads)                      grouped-query / multi-query attention
+//     for t in 0 .. seq_lens[s]-1:                              every token in the cache
+//         page = block_tables[s][t / block_size]                logical block -> physical page
+//         k_t  = key_cache  [page][t % block_size][kv]          (head_size,)
+//         v_t  = value_cache[page][t % block_size][kv]
+//     out[s][h] = softmax(scale * q . k_t over t) @ v_t         (head_size,)
+// the same numbers as vllmini.paged_attention(backend="torch"), without gathering the pages first.
+//
+// Shapes (contiguous, row-major; query and caches float32, float16 or bfloat16, out always float32):
+//     out, query      [num_seqs, num_heads, head_size]
+//     key_cache,      [num_blocks, block_size, num_kv_heads, head_size]
+//     value_cache
+//     block_tables    int32 [num_seqs, max_num_blocks_per_seq]  (entries past a sequence's length unused)
+//     seq_lens        int32 [num_seqs]
+//
+// Entry points: paged_attention_3_vector_loads (float32), paged_attention_3_vector_loads_f16 and paged_attention_3_vector_loads_bf16 (the
+// query and caches passed as their raw 16-bit patterns, unsigned short; widened to float in registers,
+// so no cuda_fp16.h is needed and every architecture compiles them). The softmax and every sum are float32
+// and out is float32; vllmini.cuda_kernels casts it to the query's dtype.
+//
+// Launch: grid = (num_seqs, num_heads), blockIdx.x = sequence, blockIdx.y = query head (vLLM's
+// layout); one thread block per (sequence, head) pair. block = NUM_WARPS * 32 threads (256 in vllmini).
+// head_size is a run-time argument, but each entry point switches once on DIMS (1..8) to a copy of the
+// loop compiled for it, so the per-lane arrays live in registers and the loads can be vectorized.
+// Dynamic shared memory = NUM_WARPS * (head_size + 2) * 4 bytes (the cross-warp merge).
+//
+// How the block shares the work:
+//   * scores: the tokens are dealt to the warps in chunks of TOKENS consecutive tokens (warp w takes
+//     chunk w, w + NUM_WARPS, ...); inside a warp the 32 lanes split the head dimensions: lane l owns
+//     the DIMS = ceil(head_size / 32) consecutive dims l*DIMS .. l*DIMS+DIMS-1, so one K row is one
+//     coalesced read of the warp (one 16-byte load per lane for float32 and head_size 128), and a
+//     butterfly of __shfl_xor_sync sums the 32 partial dot products. A warp issues the loads of all
+//     TOKENS K rows AND V rows of a step before it needs any of them, so 2 * TOKENS rows per warp are
+//     on their way from memory at once (TOKENS * DIMS = 32: 8 tokens for head_size 128).
+//   * softmax: each warp keeps an online softmax (running max m, running sum l, and its part of the
+//     weighted sum of V rows in registers), so no array of scores is kept and any context length
+//     works with a fixed amount of memory. K and V are each read once per (sequence, query head).
+//   * output: the warps write (m, l, acc) to shared memory, and after one __syncthreads() the threads
+//     split the head dimensions to merge them: out = sum_w e^(m_w - M) acc_w / sum_w e^(m_w - M) l_w.
+//
+// Build: the file is plain CUDA C++ with no includes. vllmini.cuda_kernels compiles it with NVRTC
+// through cupy.RawModule (GPU) or runs it on the CPU with vllmini.emulator.RawKernel; the CI test
+// compiles it for sm_75, sm_80, sm_86, sm_89 and sm_90.
+//
+// Limits: head_size <= MAX_HEAD_SIZE (256; larger head sizes get NaN, and the host refuses them
+// before launch); blockDim.x a multiple of 32 (up to 1024); any seq_len the block table can hold.
+// The host (vllmini.attention) validates block ids and seq_lens before launch; the kernel trusts them.
+// Page addresses are computed in 64-bit integers, so caches larger than 2^31 elements are fine.
+// GQA: each query head is its own thread block, so a KV head is read num_heads / num_kv_heads times
+// (from L2 when lucky) -- the price of the simple grid.
+//
+// Version 3 (what it adds to paged_attention_2_warp_softmax.cu): lanes own consecutive dims (16-byte
+// vector loads), the loop is compiled per DIMS, and V rows are loaded together with K rows. On an H200,
+// float32 B=64 H=32 L=4096 D=128 went from 6479 us to about 2000 us (benchmarks/RESULTS.md). Still not
+// done: no split of long sequences over several blocks (vLLM's v2), no sharing of a KV head across its
+// query heads.
+
+#define WARP_SIZE 32
+#define MAX_HEAD_SIZE 256
+#ifndef INFINITY  // NVRTC has no <math.h>; the bit patterns will do
+#define INFINITY __int_as_float(0x7f800000)
+#define NAN __int_as_float(0x7fffffff)
+#endif
+
+// The element types. Each says how its stored bits become floats: one element, or a whole lane's row
+// slice (DIMS consecutive elements) with the widest loads its size allows.
+struct Float32 {
+    typedef float storage;
+    static __device__ float to_float(float x) { return x; }
+};
+struct Float16 {  // IEEE half: 1 sign, 5 exponent (bias 15), 10 mantissa bits
+    typedef unsigned short storage;
+    static __device__ float to_float(unsigned short h) {
+        const unsigned int sign = (unsigned int)(h & 0x8000) << 16;
+        const unsigned int rest = h & 0x7fff;  // exponent and mantissa
+        if (rest >= 0x7c00) return __uint_as_float(sign | 0x7f800000 | (rest & 0x3ff) << 13);  // inf, NaN
+        // Shift the bits into float position (exponent now biased by 127 - 112) and scale by 2^112:
+        // exact for normal and subnormal halves alike.
+        return __uint_as_float(sign | rest << 13) * 5.192296858534828e33f;
+    }
+};
+struct BFloat16 {  // the top 16 bits of a float32
+    typedef unsigned short storage;
+    static __device__ float to_float(unsigned short b) { return __uint_as_float((unsigned int)b << 16); }
+};
+
+// x[0..DIMS) = row[0..DIMS) as floats. Whole 16-byte (else 8-byte) loads where the slice is a multiple
+// of that size (the host checks the pointers are 16-byte aligned); one element at a time otherwise.
+template <typename Dtype, int DIMS>
+__device__ __forceinline__ void load_slice(const typename Dtype::storage* __restrict__ row, float (&x)[DIMS]) {
+    typedef typename Dtype::storage T;
+    constexpr int BYTES = DIMS * (int)sizeof(T);
+    if constexpr (BYTES % 16 == 0) {
+        constexpr int PER = 16 / sizeof(T);  // elements per 16-byte load
+#pragma unroll
+        for (int c = 0; c < DIMS / PER; c++) {
+            uint4 bits = reinterpret_cast<const uint4*>(row)[c];
+            const T* e = reinterpret_cast<const T*>(&bits);
+#pragma unroll
+            for (int i = 0; i < PER; i++) x[c * PER + i] = Dtype::to_float(e[i]);
+        }
+    } else if constexpr (BYTES % 8 == 0) {
+        constexpr int PER = 8 / sizeof(T);
+#pragma unroll
+        for (int c = 0; c < DIMS / PER; c++) {
+            uint2 bits = reinterpret_cast<const uint2*>(row)[c];
+            const T* e = reinterpret_cast<const T*>(&bits);
+#pragma unroll
+            for (int i = 0; i < PER; i++) x[c * PER + i] = Dtype::to_float(e[i]);
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < DIMS; i++) x[i] = Dtype::to_float(row[i]);
+    }
+}
+
+// This lane's slice of a row: the fast load when the lane owns all DIMS dims, else element by element
+// with a bounds check (head sizes that are not a multiple of 32, e.g. 80; zero past head_size).
+template <typename Dtype, int DIMS>
+__device__ __forceinline__ void load_lane(const typename Dtype::storage* __restrict__ row, int lane, int head_size,
+                                          float (&x)[DIMS]) {
+    const int d0 = lane * DIMS;
+    if (head_size == DIMS * WARP_SIZE) {
+        load_slice<Dtype, DIMS>(row + d0, x);
+    } else {
+#pragma unroll
+        for (int i = 0; i < DIMS; i++) x[i] = d0 + i < head_size ? Dtype::to_float(row[d0 + i]) : 0.0f;
+    }
+}
+
+// Sum of v over the 32 lanes of a warp; every lane gets the total.
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int offset = WARP_SIZE / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffff, v, offset);
+    return v;
+}
+
+// Dynamic shared memory, num_warps * (head_size + 2) floats, sized by the launch's shared_mem argument.
+extern __shared__ float smem[];
+
+// One (sequence, query head) pair; DIMS = dims per lane, TOKENS = tokens a warp handles per step.
+template <typename Dtype, int DIMS, int TOKENS>
+__device__ void paged_attention_3_vector_loads_impl(
+    float* __restrict__ out,                                  // [num_seqs, num_heads, head_size]
+    const typename Dtype::storage* __restrict__ query,        // [num_seqs, num_heads, head_size]
+    const typename Dtype::storage* __restrict__ key_cache,    // [num_blocks, block_size, kv_heads, head_size]
+    const typename Dtype::storage* __restrict__ value_cache,  // [num_blocks, block_size, kv_heads, head_size]
+    const int* __restrict__ block_tables,                     // [num_seqs, max_num_blocks_per_seq]
+    const int* __restrict__ seq_lens,                         // [num_seqs]
+    const int block_size,
+    const int num_heads,
+    const int head_size,
+    const int num_kv_heads,
+    const int max_num_blocks_per_seq,
+    const float scale) {
+    const int seq = blockIdx.x;
+    const int head = blockIdx.y;
+    const int kv_head = head / (num_heads / num_kv_heads);
+    const int warp = threadIdx.x / WARP_SIZE;
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int num_warps = blockDim.x / WARP_SIZE;
+    const int seq_len = seq_lens[seq];
+    float* out_row = out + ((long long)seq * num_heads + head) * head_size;  // (head_size,)
+
+    // This lane's slice of the query (zero past head_size).
+    float q[DIMS];
+    load_lane<Dtype, DIMS>(query + ((long long)seq * num_heads + head) * head_size, lane, head_size, q);
+    float acc[DIMS];  // this warp's sum of p_t * v_t, for this lane's dims
+#pragma unroll
+    for (int i = 0; i < DIMS; i++) acc[i] = 0.0f;
+    float m = -INFINITY;  // running max of this warp's scores
+    float l = 0.0f;       // running sum of exp(score - m)
+
+    const int* table = block_tables + (long long)seq * max_num_blocks_per_seq;  // (max_num_blocks_per_seq,)
+    const long long token_stride = (long long)num_kv_heads * head_size;         // next slot in a page
+    const long long page_stride = (long long)block_size * token_stride;         // next page
+
+    for (int start = warp * TOKENS; start < seq_len; start += num_warps * TOKENS) {
+        // 1) Load the K and V rows of TOKENS consecutive tokens, all before using any. Past the end of
+        //    the sequence a warp re-reads its last real token instead of branching (slots past seq_len
+        //    may hold NaN and are never read); those copies get score -inf and weight 0 below.
+        float k[TOKENS][DIMS], v[TOKENS][DIMS];
+#pragma unroll
+        for (int u = 0; u < TOKENS; u++) {
+            const int t = min(start + u, seq_len - 1);
+            const long long page = table[t / block_size];  // the page table lookup
+            const long long offset = page * page_stride + (t % block_size) * token_stride + (long long)kv_head * head_size;
+            load_lane<Dtype, DIMS>(key_cache + offset, lane, head_size, k[u]);
+            load_lane<Dtype, DIMS>(value_cache + offset, lane, head_size, v[u]);
+        }
+        // 2) Scores: each lane's partial dot product, then the warp sums each token's 32 partials.
+        float score[TOKENS];
+#pragma unroll
+        for (int u = 0; u < TOKENS; u++) {
+            float partial = 0.0f;
+#pragma unroll
+            for (int i = 0; i < DIMS; i++) partial += q[i] * k[u][i];
+            score[u] = start + u < seq_len ? warp_sum(partial) * scale : -INFINITY;
+        }
+        // 3) Online softmax: raise the running max, rescale what we have, add the new tokens.
+        //    score[0] is always a real token, so m_new is finite and no exp(-inf - -inf) happens.
+        float m_new = m;
+#pragma unroll
+        for (int u = 0; u < TOKENS; u++) m_new = fmaxf(m_new, score[u]);
+        const float correction = expf(m - m_new);  // 0 on the first step (m = -inf)
+        l *= correction;
+#pragma unroll
+        for (int i = 0; i < DIMS; i++) acc[i] *= correction;
+#pragma unroll
+        for (int u = 0; u < TOKENS; u++) {
+            if (start + u >= seq_len) break;  // a re-read copy: 0 * inf would be NaN, so skip, not weigh 0
+            const float p = expf(score[u] - m_new);
+            l += p;
+#pragma unroll
+            for (int i = 0; i < DIMS; i++) acc[i] += p * v[u][i];
+        }
+        m = m_new;
+    }
+
+    // 4) Cross-warp merge through shared memory (smem, sized by the launch): [num_warps] maxes,
+    //    [num_warps] sums, [num_warps, head_size] partial outputs.
+    float* warp_max = smem;                  // (num_warps,)
+    float* warp_l = smem + num_warps;        // (num_warps,)
+    float* warp_acc = smem + 2 * num_warps;  // (num_warps, head_size)
+    if (lane == 0) {
+        warp_max[warp] = m;  // -inf (and l = 0, acc = 0) for a warp that got no tokens
+        warp_l[warp] = l;
+    }
+#pragma unroll
+    for (int i = 0; i < DIMS; i++) {
+        const int d = lane * DIMS + i;
+        if (d < head_size) warp_acc[warp * head_size + d] = acc[i];
+    }
+    __syncthreads();  // every warp's partial result is in shared memory
+
+    float global_max = -INFINITY;
+    for (int w = 0; w < num_warps; w++) global_max = fmaxf(global_max, warp_max[w]);
+    float denom = 0.0f;
+    for (int w = 0; w < num_warps; w++) denom += expf(warp_max[w] - global_max) * warp_l[w];
+    for (int d = threadIdx.x; d < head_size; d += blockDim.x) {
+        float numer = 0.0f;
+        for (int w = 0; w < num_warps; w++) numer += expf(warp_max[w] - global_max) * warp_acc[w * head_size + d];
+        out_row[d] = numer / denom;
+    }
+}
+
+// Pick the copy of the loop compiled for this head size: DIMS = ceil(head_size / 32) dims per lane and
+// TOKENS = 32 / DIMS tokens per step (so every copy keeps about the same number of rows in registers).
+template <typename Dtype>
+__device__ void paged_attention_3_vector_loads_dispatch(
+    float* __restrict__ out, const typename Dtype::storage* __restrict__ q,
+    const typename Dtype::storage* __restrict__ k_cache, const typename Dtype::storage* __restrict__ v_cache,
+    const int* __restrict__ block_tables, const int* __restrict__ seq_lens, const int block_size,
+    const int num_heads, const int head_size, const int num_kv_heads, const int max_num_blocks_per_seq,
+    const float scale) {
+    const int seq_len = seq_lens[blockIdx.x];
+    if (head_size > MAX_HEAD_SIZE || head_size < 1 || seq_len <= 0) {  // refused by the host
+        float* out_row = out + ((long long)blockIdx.x * num_heads + blockIdx.y) * head_size;
+        for (int d = threadIdx.x; d < head_size; d += blockDim.x) out_row[d] = NAN;
+        return;
+    }
+#define VLLMINI_V1_CASE(D, T)                                                                                  \
+    case D:                                                                                                    \
+        paged_attention_3_vector_loads_impl<Dtype, D, T>(out, q, k_cache, v_cache, block_tables, seq_lens, block_size,     \
+                                             num_heads, head_size, num_kv_heads, max_num_blocks_per_seq, scale); \
+        break;
+    switch ((head_size + WARP_SIZE - 1) / WARP_SIZE) {
+        VLLMINI_V1_CASE(1, 16)
+        VLLMINI_V1_CASE(2, 16)
+        VLLMINI_V1_CASE(3, 8)
+        VLLMINI_V1_CASE(4, 8)
+        VLLMINI_V1_CASE(5, 6)
+        VLLMINI_V1_CASE(6, 5)
+        VLLMINI_V1_CASE(7, 4)
+        VLLMINI_V1_CASE(8, 4)
+    }
+#undef VLLMINI_V1_CASE
+}
+
+// The entry points CuPy and the emulator look up by name, one per element type. vLLM's argument order,
+// with num_kv_heads, max_num_blocks_per_seq and scale.
+extern "C" __global__ void paged_attention_3_vector_loads(
+    float* __restrict__ out,                // [num_seqs, num_heads, head_size]
+    const float* __restrict__ q,            // [num_seqs, num_heads, head_size]
+    const float* __restrict__ k_cache,      // [num_blocks, block_size, num_kv_heads, head_size]
+    const float* __restrict__ v_cache,      // [num_blocks, block_size, num_kv_heads, head_size]
+    const int* __restrict__ block_tables,   // [num_seqs, max_num_blocks_per_seq]
+    const int* __restrict__ seq_lens,       // [num_seqs]
+    const int block_size, const int num_heads, const int head_size,
+    const int num_kv_heads, const int max_num_blocks_per_seq, const float scale) {
+    paged_attention_3_vector_loads_dispatch<Float32>(out, q, k_cache, v_cache, block_tables, seq_lens, block_size, num_heads,
+                                         head_size, num_kv_heads, max_num_blocks_per_seq, scale);
+}
+
+extern "C" __global__ void paged_attention_3_vector_loads_f16(  // q, k_cache, v_cache: float16 bits
+    float* __restrict__ out, const unsigned short* __restrict__ q, const unsigned short* __restrict__ k_cache,
+    const unsigned short* __restrict__ v_cache, const int* __restrict__ block_tables,
+    const int* __restrict__ seq_lens, const int block_size, const int num_heads, const int head_size,
+    const int num_kv_heads, const int max_num_blocks_per_seq, const float scale) {
+    paged_attention_3_vector_loads_dispatch<Float16>(out, q, k_cache, v_cache, block_tables, seq_lens, block_size, num_heads,
+                                         head_size, num_kv_heads, max_num_blocks_per_seq, scale);
+}
+
+extern "C" __global__ void paged_attention_3_vector_loads_bf16(  // q, k_cache, v_cache: bfloat16 bits
+    float* __restrict__ out, const unsigned short* __restrict__ q, const unsigned short* __restrict__ k_cache,
+    const unsigned short* __restrict__ v_cache, const int* __restrict__ block_tables,
+    const int* __restrict__ seq_lens, const int block_size, const int num_heads, const int head_size,
+    const int num_kv_heads, const int max_num_blocks_per_seq, const float scale) {
+    paged_attention_3_vector_loads_dispatch<BFloat16>(out, q, k_cache, v_cache, block_tables, seq_lens, block_size, num_heads,
+                                          head_size, num_kv_heads, max_num_blocks_per_seq, scale);
+}
