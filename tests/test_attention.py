@@ -333,8 +333,8 @@ BAD_DECODE = [
     ({"seq_lens": torch.tensor([5, 0], dtype=torch.int32)}, ValueError, "seq_lens[1] = 0 is out of range"),
     ({"seq_lens": torch.tensor([-3, 5], dtype=torch.int32)}, ValueError, "seq_lens[0] = -3"),
     ({"seq_lens": torch.tensor([5, 25], dtype=torch.int32)}, ValueError, "3 * 8 = 24"),
-    ({"scale": float("nan")}, ValueError, "scale must be a finite number"),
-    ({"scale": "0.1"}, ValueError, "scale must be a finite number"),
+    ({"scale": float("nan")}, ValueError, "scale must be finite"),
+    ({"scale": "0.1"}, TypeError, "scale must be a number"),
 ]
 
 

@@ -32,14 +32,14 @@ from __future__ import annotations
 
 import functools
 import importlib
-import math
 from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vllmini.errors import InvalidArgumentError, InvalidBlockTableError
+from vllmini.checks import as_float
+from vllmini.errors import InvalidArgumentError, InvalidBlockTableError, InvalidTypeError
 from vllmini.kv_cache import _check_cache_pair
 
 BACKENDS = ("auto", "torch", "cupy", "emulator")
@@ -82,30 +82,34 @@ class PrefillArgs(NamedTuple):
 
 def _check_index_tensor(name: str, t, shape_desc: str, ndim: int, device: torch.device) -> None:
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        raise InvalidTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in INDEX_DTYPES:
-        raise TypeError(f"{name} must be int32 (or int64), got {t.dtype}")
+        raise InvalidTypeError(f"{name} must be int32 (or int64), got {t.dtype}")
     if t.dim() != ndim:
-        raise ValueError(f"{name} must be {ndim}-D {shape_desc}, got shape {tuple(t.shape)}")
+        raise InvalidArgumentError(f"{name} must be {ndim}-D {shape_desc}, got shape {tuple(t.shape)}")
     if t.device != device:
-        raise ValueError(f"{name} is on {t.device} but the caches are on {device}")
+        raise InvalidArgumentError(f"{name} is on {t.device} but the caches are on {device}")
 
 
 def _check_query(query, key_cache: torch.Tensor, what: str) -> None:
     if not isinstance(query, torch.Tensor):
-        raise TypeError(f"query must be a torch.Tensor, got {type(query).__name__}")
+        raise InvalidTypeError(f"query must be a torch.Tensor, got {type(query).__name__}")
     num_kv_heads, head_size = key_cache.shape[2], key_cache.shape[3]
     if query.dim() != 3:
-        raise ValueError(f"query must be 3-D [{what}, num_heads, head_size], got shape {tuple(query.shape)}")
+        raise InvalidArgumentError(
+            f"query must be 3-D [{what}, num_heads, head_size], got shape {tuple(query.shape)}"
+        )
     if query.dtype != key_cache.dtype:
-        raise TypeError(f"query is {query.dtype} but the caches are {key_cache.dtype}; they must match")
+        raise InvalidTypeError(
+            f"query is {query.dtype} but the caches are {key_cache.dtype}; they must match"
+        )
     if query.device != key_cache.device:
-        raise ValueError(f"query is on {query.device} but the caches are on {key_cache.device}")
+        raise InvalidArgumentError(f"query is on {query.device} but the caches are on {key_cache.device}")
     if query.shape[2] != head_size:
-        raise ValueError(f"query head_size {query.shape[2]} != cache head_size {head_size}")
+        raise InvalidArgumentError(f"query head_size {query.shape[2]} != cache head_size {head_size}")
     num_heads = query.shape[1]
     if num_heads < 1 or num_heads % num_kv_heads != 0:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})"
         )
 
@@ -113,9 +117,7 @@ def _check_query(query, key_cache: torch.Tensor, what: str) -> None:
 def _check_scale(scale, head_size: int) -> float:
     if scale is None:
         return head_size**-0.5
-    if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
-        raise ValueError(f"scale must be a finite number or None, got {scale!r}")
-    return float(scale)
+    return as_float(scale, "scale")  # None above means 1/sqrt(head_size)
 
 
 def _host_view(*tensors: torch.Tensor) -> list[np.ndarray]:
@@ -148,7 +150,7 @@ def _check_tables_host(bt: np.ndarray, lens: np.ndarray, num_blocks: int, block_
     lens = lens.astype(np.int64)  # (S,) small copy: no int32 overflow below
     if lens.min() < 1 or lens.max() > max_len:
         i = int(((lens < 1) | (lens > max_len)).argmax())
-        raise ValueError(
+        raise InvalidArgumentError(
             f"seq_lens[{i}] = {int(lens[i])} is out of range: expected 1 .. max_num_blocks_per_seq "
             f"* block_size = {max_blocks} * {block_size} = {max_len}"
         )
@@ -162,7 +164,7 @@ def _check_tables_host(bt: np.ndarray, lens: np.ndarray, num_blocks: int, block_
     if bad_rows.any():
         s = int(bad_rows.argmax())
         j = int(first[s])
-        raise ValueError(
+        raise InvalidArgumentError(
             f"block_tables[{s}, {j}] = {int(bt[s, j])} is not a block id in [0, {num_blocks}) "
             f"(sequence {s} has seq_len {int(lens[s])}, so it reads blocks 0..{int(num_used[s]) - 1})"
         )
@@ -176,7 +178,7 @@ def check_block_tables(
     max(seq_lens). For a caller that runs many layers over the same tables (the model, once per
     forward) and then calls `paged_attention(..., validate=False)` for each layer."""
     if block_tables.dim() != 2 or seq_lens.shape != (block_tables.shape[0],):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"block_tables must be [num_seqs, max_num_blocks_per_seq] and seq_lens [num_seqs], got shapes "
             f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}"
         )
@@ -191,12 +193,14 @@ def _check_table_shapes(key_cache: torch.Tensor, block_tables, seq_lens, num_seq
     _check_index_tensor("block_tables", block_tables, "[num_seqs, max_num_blocks_per_seq]", 2, device)
     _check_index_tensor("seq_lens", seq_lens, "[num_seqs]", 1, device)
     if block_tables.shape[0] != num_seqs or (num_seqs > 0 and block_tables.shape[1] < 1):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"block_tables must be [num_seqs={num_seqs}, max_num_blocks_per_seq>=1], "
             f"got shape {tuple(block_tables.shape)}"
         )
     if seq_lens.shape != (num_seqs,):
-        raise ValueError(f"seq_lens must be [num_seqs={num_seqs}], got shape {tuple(seq_lens.shape)}")
+        raise InvalidArgumentError(
+            f"seq_lens must be [num_seqs={num_seqs}], got shape {tuple(seq_lens.shape)}"
+        )
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:
@@ -273,7 +277,7 @@ def _validate_prefill(query, key_cache, value_cache, block_tables, seq_lens, que
     num_seqs = block_tables.shape[0]
     _check_index_tensor("query_start_loc", query_start_loc, "[num_seqs + 1]", 1, key_cache.device)
     if query_start_loc.shape != (num_seqs + 1,):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"query_start_loc must be [num_seqs + 1] = [{num_seqs + 1}] (num_seqs from block_tables), "
             f"got shape {tuple(query_start_loc.shape)}"
         )
@@ -284,7 +288,7 @@ def _validate_prefill(query, key_cache, value_cache, block_tables, seq_lens, que
     lens, starts = lens.astype(np.int64), starts.astype(np.int64)
     num_tokens = query.shape[0]
     if starts[0] != 0 or starts[-1] != num_tokens:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"query_start_loc must start at 0 and end at num_tokens={num_tokens}, "
             f"got {int(starts[0])} .. {int(starts[-1])}"
         )
@@ -292,7 +296,7 @@ def _validate_prefill(query, key_cache, value_cache, block_tables, seq_lens, que
     bad = (q_lens < 1) | (q_lens > lens)
     if bad.any():
         i = int(bad.argmax())
-        raise ValueError(
+        raise InvalidArgumentError(
             f"sequence {i} has {int(q_lens[i])} query tokens (query_start_loc[{i}:{i + 2}] = "
             f"{starts[i : i + 2].tolist()}); expected 1 .. seq_lens[{i}] = {int(lens[i])}"
         )
@@ -410,7 +414,7 @@ def cupy_usable() -> bool:
 
 def _check_backend_name(backend) -> None:
     if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        raise InvalidArgumentError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
 # dtypes the CUDA kernels take today; "auto" sends anything else to torch instead of failing
@@ -428,9 +432,9 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype | Non
         kernel_ok = dtype is None or dtype in KERNEL_DTYPES
         return "cupy" if device.type == "cuda" and kernel_ok and cupy_usable() else "torch"
     if backend == "cupy" and device.type != "cuda":
-        raise ValueError(f"backend 'cupy' needs CUDA tensors, got tensors on {device}")
+        raise InvalidArgumentError(f"backend 'cupy' needs CUDA tensors, got tensors on {device}")
     if backend == "emulator" and device.type != "cpu":
-        raise ValueError(f"backend 'emulator' runs on the CPU and needs CPU tensors, got {device}")
+        raise InvalidArgumentError(f"backend 'emulator' runs on the CPU and needs CPU tensors, got {device}")
     return backend
 
 
@@ -575,7 +579,7 @@ def paged_prefill_attention(
     whole cached context. Serves whole prompts and chunks that start mid-sequence. Only "torch"."""
     _check_backend_name(backend)
     if backend not in ("auto", "torch"):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"paged_prefill_attention supports backend 'torch' (or 'auto'), got {backend!r}; "
             "the CUDA kernels implement decode only"
         )

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from vllmini.checks import as_int, one_of
-from vllmini.errors import InvalidArgumentError, InvalidTypeError
+from vllmini.errors import InvalidArgumentError, InvalidTypeError, KernelBuildError
 
 RUNTIMES = ("cupy", "emulator")
 ARCHS = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90")  # T4, A100, RTX 30xx/A10, L4/RTX 40xx, H100/H200
@@ -176,18 +176,18 @@ def _nvrtc():
     try:
         from cupy_backends.cuda.libs import nvrtc
     except ImportError as e:
-        raise RuntimeError(
+        raise KernelBuildError(
             "compiling CUDA needs CuPy: pip install cupy-cuda12x nvidia-cuda-nvrtc-cu12"
         ) from e
     return nvrtc
 
 
 def nvrtc_version() -> tuple[int, int]:
-    """(major, minor) of the NVRTC library CuPy loads; raises RuntimeError when none can be loaded."""
+    """(major, minor) of the NVRTC library CuPy loads; KernelBuildError when none loads."""
     try:
         return tuple(_nvrtc().getVersion())
     except Exception as e:  # CuPy raises several types when the shared library is missing
-        raise RuntimeError(
+        raise KernelBuildError(
             f"cannot load NVRTC ({type(e).__name__}: {e}); pip install nvidia-cuda-nvrtc-cu12"
         ) from e
 
@@ -200,7 +200,7 @@ def compile_for_arch(
     arch "sm_XX" gives a cubin, "compute_XX" gives PTX. Raises RuntimeError with NVRTC's log on errors.
     """
     if not (arch.startswith("sm_") or arch.startswith("compute_")) or not arch.split("_", 1)[1].isdigit():
-        raise ValueError(f"arch must look like 'sm_80' or 'compute_80', got {arch!r}")
+        raise InvalidArgumentError(f"arch must look like 'sm_80' or 'compute_80', got {arch!r}")
     nvrtc = _nvrtc()
     nvrtc_version()  # a clear error when libnvrtc is missing
     prog = nvrtc.createProgram(source, name, [], [])
@@ -209,7 +209,7 @@ def compile_for_arch(
             nvrtc.compileProgram(prog, [f"--gpu-architecture={arch}", *NVRTC_OPTIONS, *options])
         except Exception as e:
             log = nvrtc.getProgramLog(prog)
-            raise RuntimeError(f"NVRTC failed to compile {name} for {arch}:\n{log}") from e
+            raise KernelBuildError(f"NVRTC failed to compile {name} for {arch}:\n{log}") from e
         return nvrtc.getCUBIN(prog) if arch.startswith("sm_") else nvrtc.getPTX(prog)
     finally:
         nvrtc.destroyProgram(prog)

@@ -191,18 +191,22 @@ class AttentionMetadata:
     ) -> AttentionMetadata:
         """From host-side lists (one entry per sequence, prefills first); checks they agree."""
         if not 0 <= num_prefills <= len(query_lens) or len(query_lens) != len(seq_lens):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"need 0 <= num_prefills ({num_prefills}) <= num_seqs and one query_len per "
                 f"seq_len, got {len(query_lens)} query_lens and {len(seq_lens)} seq_lens"
             )
         if any(q != 1 for q in query_lens[num_prefills:]):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"decode sequences take exactly one new token, got query_lens {query_lens[num_prefills:]}"
             )
         if any(not 1 <= q <= s for q, s in zip(query_lens, seq_lens, strict=True)):
-            raise ValueError(f"each query_len must be in [1, seq_len], got {query_lens} for {seq_lens}")
+            raise InvalidArgumentError(
+                f"each query_len must be in [1, seq_len], got {query_lens} for {seq_lens}"
+            )
         if sum(query_lens) != len(slot_mapping):
-            raise ValueError(f"slot_mapping has {len(slot_mapping)} slots for {sum(query_lens)} new tokens")
+            raise InvalidArgumentError(
+                f"slot_mapping has {len(slot_mapping)} slots for {sum(query_lens)} new tokens"
+            )
         starts = [0]
         for q in query_lens:
             starts.append(starts[-1] + q)
@@ -383,7 +387,7 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """Logits (num_seqs, vocab) of each sequence's last new token; all_logits: (num_tokens, vocab)."""
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"input_ids and positions must both be [num_tokens], got "
                 f"{tuple(input_ids.shape)} and {tuple(positions.shape)}"
             )
@@ -392,7 +396,7 @@ class LlamaModel(nn.Module):
         # reshape_and_cache and paged_attention then skip their own checks (a host sync each).
         num_blocks, block_size = kv_cache.key_caches[0].shape[:2]
         if meta.slot_mapping.shape != input_ids.shape:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"meta.slot_mapping must be [num_tokens] = [{input_ids.shape[0]}], "
                 f"got {tuple(meta.slot_mapping.shape)}"
             )
@@ -424,13 +428,15 @@ class LlamaModel(nn.Module):
             kv_cache.key_caches[0].dtype,
         )
         if got != want:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"kv_cache has (num_layers, num_kv_heads, head_size, dtype) = {got}; this model needs {want}"
             )
         shape = kv_cache.key_caches[0].shape  # one check of the slots and tables must hold for every layer
         for i, (kc, vc) in enumerate(zip(kv_cache.key_caches, kv_cache.value_caches, strict=True)):
             if kc.shape != shape or vc.shape != shape:
-                raise ValueError(f"layer {i}'s cache is {tuple(kc.shape)}, layer 0's is {tuple(shape)}")
+                raise InvalidArgumentError(
+                    f"layer {i}'s cache is {tuple(kc.shape)}, layer 0's is {tuple(shape)}"
+                )
 
     # -------------------------------------------------------------------------
     # loading
