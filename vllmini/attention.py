@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from vllmini.checks import as_float
 from vllmini.errors import InvalidArgumentError, InvalidBlockTableError, InvalidTypeError
-from vllmini.kv_cache import _check_cache_pair
+from vllmini.kv_cache import check_cache_pair
 
 BACKENDS = ("auto", "torch", "cupy", "emulator")
 VALIDATE_MODES = (
@@ -216,7 +216,7 @@ def _validate_decode(query, key_cache, value_cache, block_tables, seq_lens, scal
 
     check_tables=False skips the one host copy and the table checks (the caller ran check_block_tables
     on these tables already); seq_lens on the host is then None."""
-    _check_cache_pair(key_cache, value_cache)
+    check_cache_pair(key_cache, value_cache)
     _check_query(query, key_cache, "num_seqs")
     scale = _check_scale(scale, key_cache.shape[3])
     num_seqs = query.shape[0]
@@ -268,7 +268,7 @@ def validate_decode_args(
 
 def _validate_prefill(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale):
     """validate_prefill_args, also returning seq_lens and query_start_loc on the host (int64 numpy)."""
-    _check_cache_pair(key_cache, value_cache)
+    check_cache_pair(key_cache, value_cache)
     _check_query(query, key_cache, "num_tokens")
     scale = _check_scale(scale, key_cache.shape[3])
     _check_index_tensor(

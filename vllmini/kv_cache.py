@@ -41,7 +41,6 @@ def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None
         )
 
 
-_check_cache_pair = check_cache_pair  # the old private name, still imported by vllmini.attention
 
 
 def reshape_and_cache(
