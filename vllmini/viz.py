@@ -1335,7 +1335,8 @@ def draw_cuda_hierarchy(grid: tuple[int, int] = (4, 2), threads: int = 128, figs
             ga.text(x + 0.45, y + 0.45, f"block\n({x},{y})", ha="center", va="center", fontsize=8,
                     color="white" if hot else "black")  # fmt: skip
     ga.set(xlim=(-0.1, gx), ylim=(gy + 0.1, -0.1), xticks=[], yticks=[])
-    ga.set_title(f"the grid: gridDim = ({gx}, {gy}) thread blocks\nblockIdx = (x, y); global memory: all")
+    grid_title = f"the grid: gridDim = ({gx}, {gy}) thread blocks"
+    ga.set_title(f"{grid_title}\nblockIdx = (x, y); all blocks see global memory")
     for w in range(warps):  # one block: its warps
         ba.add_patch(Rectangle((0, w), 1, 0.85, fc=PALETTE[1 + w % 8], alpha=0.8, ec="black"))
         ba.text(0.5, w + 0.42, f"warp {w}: threads {w * WARP_SIZE}..{w * WARP_SIZE + WARP_SIZE - 1}",
@@ -1625,6 +1626,10 @@ def plot_decode_roofline(
     ax.loglog(x, np.minimum(peak_flops, x * read_bw) / 1e12, color="black", linewidth=1.5)
     ax.axvline(peak_flops / read_bw, color="grey", linestyle=":", linewidth=1)
     ax.text(peak_flops / read_bw * 1.1, peak_flops / 1e12 / 3, "ridge", fontsize=8, color="grey")
+    slope = f"slope: memory, {read_bw / 1e12:.1f} TB/s x intensity"
+    ax.text(0.03, 0.92, slope, fontsize=8, transform=ax.transAxes)
+    flat = f"flat: compute,\n{peak_flops / 1e12:.0f} TFLOP/s"
+    ax.text(peak_flops / read_bw * 3, peak_flops / 1e12 / 2, flat, fontsize=8)
     for i, (name, intensity) in enumerate(points.items()):
         y = min(peak_flops, intensity * read_bw) / 1e12
         ax.plot(
