@@ -164,7 +164,7 @@ def _check_tables_host(bt: np.ndarray, lens: np.ndarray, num_blocks: int, block_
     if bad_rows.any():
         s = int(bad_rows.argmax())
         j = int(first[s])
-        raise InvalidArgumentError(
+        raise InvalidBlockTableError(
             f"block_tables[{s}, {j}] = {int(bt[s, j])} is not a block id in [0, {num_blocks}) "
             f"(sequence {s} has seq_len {int(lens[s])}, so it reads blocks 0..{int(num_used[s]) - 1})"
         )

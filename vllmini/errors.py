@@ -13,7 +13,7 @@ Each subclass also derives from the builtin that code outside vllmini would expe
     │   └── CheckpointNotFoundError (FileNotFoundError)  ... or that is not there
     ├── KernelBuildError       (RuntimeError)   a .cu file that does not compile (NVRTC or the emulator)
     ├── KernelLaunchError      (RuntimeError)   a launch that failed, hung, or was stopped
-    ├── InvalidBlockTableError (ValueError)     a bad page id seen by the GPU's in-kernel guard
+    ├── InvalidBlockTableError (ValueError)     a block table entry outside the pool (host check or guard)
     └── EngineStateError       (RuntimeError)   an engine call that does not fit its current state
 
 Programming errors inside the package (broken invariants no caller can cause) stay plain `assert`s.
@@ -61,7 +61,7 @@ class KernelLaunchError(VllminiError, RuntimeError):
 
 
 class InvalidBlockTableError(VllminiError, ValueError):
-    """A block table entry outside the pool, found on the GPU by the in-kernel guard (no host sync)."""
+    """A block table entry outside the pool: found by the host check, or on the GPU by the in-kernel guard."""
 
 
 class EngineStateError(VllminiError, RuntimeError):
