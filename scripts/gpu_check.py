@@ -3,7 +3,8 @@
     PYTHONPATH=. python scripts/gpu_check.py quick     # GPU tests, attention/kernel tests, GPU notebooks
     PYTHONPATH=. python scripts/gpu_check.py sanitize  # compute-sanitizer memcheck and racecheck
     PYTHONPATH=. python scripts/gpu_check.py bench     # bench_attention.py --preset h200, bench_engine.py
-    PYTHONPATH=. python scripts/gpu_check.py all       # all three (longer than 10 minutes)
+    PYTHONPATH=. python scripts/gpu_check.py serve     # bench_serving.py: latency against request rate
+    PYTHONPATH=. python scripts/gpu_check.py all       # all four (longer than 10 minutes)
     python scripts/gpu_check.py pack                   # beforehand, with pip access: wheels into .whl/
 
 The GPU machine lacks hypothesis (the tests' conftest imports it). `pack` downloads pure-Python wheels of
@@ -173,6 +174,15 @@ def tier_bench():
         run_item("bench", "bench_engine", [py, str(engine), "--device", "cuda"], 300, deadline)
     else:
         record_skip("bench", "bench_engine", "benchmarks/bench_engine.py not present")
+
+
+def tier_serve():
+    deadline = time.time() + TIER_BUDGET_S
+    OUT.mkdir(parents=True, exist_ok=True)
+    files = ["--plot", str(OUT / "serving_sharegpt.png"), "--record-steps", str(OUT / "serving_steps.json")]
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_serving.py"), "--device", "cuda",
+           "--time-budget", "420", *files]  # fmt: skip
+    run_item("serve", "bench_serving --device cuda", cmd, 540, deadline)
 
 
 # ----------------------------------------------------------------------------- the kernel driver
@@ -442,11 +452,11 @@ def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "_kernel_driver":
         return kernel_driver(*sys.argv[2:3])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("tier", choices=["quick", "sanitize", "bench", "all"])
+    parser.add_argument("tier", choices=["quick", "sanitize", "bench", "serve", "all"])
     args = parser.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     write_env()
-    tiers = {"quick": tier_quick, "sanitize": tier_sanitize, "bench": tier_bench}
+    tiers = {"quick": tier_quick, "sanitize": tier_sanitize, "bench": tier_bench, "serve": tier_serve}
     for name in tiers if args.tier == "all" else [args.tier]:
         tiers[name]()
     return summary()
