@@ -489,9 +489,9 @@ def test_engine_config_from_keywords_config_or_both(model):
             "max_num_batched_tokens=32",
         ),
         (
-            dict(enable_prefix_caching=True),
+            dict(enable_prefix_caching=True, policy="static"),
             InvalidArgumentError,
-            "enable_prefix_caching=True is not implemented",
+            "enable_prefix_caching needs policy 'paged'",
         ),
         (dict(enable_chunked_prefill=True), InvalidArgumentError, "enable_chunked_prefill=True is not impl"),
         (dict(use_cuda_graphs=True), InvalidArgumentError, "use_cuda_graphs=True is not implemented"),

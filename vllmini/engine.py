@@ -14,6 +14,12 @@ sampling) rolls it back: allocations, appends and preemptions undone, random gen
 next `step()` does the same work again and the outputs equal an uninterrupted run. Ctrl-C during the
 commit (appending tokens, finishing requests) waits until the commit is done. A request whose sampling
 fails finishes alone with finish_reason "error"; `abort_request` stops one request.
+
+Sharing pages (vllmini.scheduler says how): `SamplingParams(n=...)` returns n samples of one prompt in one
+`RequestOutput`, whose prompt pages they share until each copies the block it writes into (copy-on-write;
+a step's copies are one indexed copy per cache tensor, before its forward). `enable_prefix_caching`
+lets requests reuse the cached K/V of a prompt prefix computed before. `sharing_summary(engine.stats)`
+sums up what sharing saved over a run.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from vllmini.checks import as_float, as_int, cdiv, one_of
 from vllmini.errors import EngineStateError, InvalidArgumentError, InvalidTypeError
 from vllmini.kv_cache import PagedKVCache
 from vllmini.model import LlamaModel
-from vllmini.scheduler import Scheduler, Sequence, check_policy
+from vllmini.scheduler import Scheduler, Sequence, SequenceStatus, check_policy
 
 GREEDY_BELOW = 1e-5  # temperatures below this count as 0 (greedy): dividing by them overflows (as vLLM)
 
@@ -72,6 +78,10 @@ class SamplingParams:
 
     A temperature below 1e-5 also means greedy (dividing the logits by it would overflow).
     seed None: the engine derives one from its own seed and the request number, so runs repeat.
+    n: samples of the prompt (parallel sampling), returned together. Sample 0 draws from a generator
+    seeded with the request's seed, sample i > 0 from one seeded with `sample_seed(seed, i)` =
+    random.Random(f"{seed}:{i}").getrandbits(63), so sample 0 equals the n=1 result and the others are
+    unrelated streams. At temperature 0 all n samples are identical.
     The request stops at max_tokens ("length"), or at an id of stop_token_ids or the model's EOS
     ("stop"; the stop token is kept in output_token_ids). ignore_eos=True generates past EOS.
     """
@@ -83,9 +93,11 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    n: int = 1
 
     def __post_init__(self):
         self.max_tokens = as_int(self.max_tokens, "max_tokens", min=1)
+        self.n = as_int(self.n, "n (samples per prompt)", min=1)
         self.temperature = as_float(self.temperature, "temperature (0 = greedy)", min=0.0)
         if self.top_k is not None:
             self.top_k = as_int(self.top_k, "top_k (None = off)", min=1)
@@ -104,10 +116,27 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
 
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a request seeded `seed` (sample 0 keeps the request's own)."""
+    return seed if index == 0 else random.Random(f"{seed}:{index}").getrandbits(63)
+
+
+@dataclass
+class CompletionOutput:
+    """One of a request's n samples (vLLM's name). finish_reason as RequestOutput's."""
+
+    index: int
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str
+    error: str | None = None
+
+
 @dataclass
 class RequestOutput:
     """A finished request. text is None without a tokenizer. finish_reason: "length", "stop", "abort"
-    (abort_request), or "error" (its sampling failed; `error` says how)."""
+    (abort_request), or "error" (its sampling failed; `error` says how). `outputs` holds all n samples
+    (SamplingParams.n); the flat fields are those of the first, so n=1 code reads them directly."""
 
     request_id: int
     prompt_token_ids: list[int]
@@ -115,6 +144,7 @@ class RequestOutput:
     text: str | None
     finish_reason: str
     error: str | None = None
+    outputs: list[CompletionOutput] = field(default_factory=list)
 
 
 @dataclass
@@ -134,6 +164,23 @@ class StepStats:
     num_generated: int
     num_finished: int
     seconds: float  # forward + sampling (wall clock)
+    # sharing pages: used_blocks are physical; without sharing the same sequences would hold
+    # logical_blocks. cached_blocks: free blocks that still hold a cached prefix (part of free_blocks)
+    logical_blocks: int = 0
+    shared_blocks: int = 0  # physical blocks held by more than one sequence
+    cached_blocks: int = 0
+    num_copies: int = 0  # copy-on-write block copies made before this step's forward
+    num_prefill_tokens: int = 0  # prompt tokens computed (not found cached or shared)
+    num_lookup_tokens: int = 0  # prefix caching: tokens of the requests admitted in this step ...
+    num_hit_tokens: int = 0  # ... found in the cache
+    num_lookup_blocks: int = 0
+    num_hit_blocks: int = 0
+
+    @property
+    def memory_saved(self) -> float:
+        """Share of the KV blocks sharing saves: 1 - used / (used without sharing), as the
+        PagedAttention paper measures it (Kwon et al., SOSP 2023, Fig. 15)."""
+        return 1.0 - self.used_blocks / self.logical_blocks if self.logical_blocks else 0.0
 
     @property
     def batch_size(self) -> int:
@@ -149,6 +196,24 @@ class StepStats:
     def pool_utilization(self) -> float:
         """Share of the whole KV pool that holds real tokens."""
         return self.num_tokens / self.pool_slots
+
+
+def sharing_summary(stats: list[StepStats]) -> dict:
+    """What sharing saved over a run: memory saved (blocks in use with sharing vs without, summed over
+    steps), prefix-cache hit rates (tokens and blocks), prompt tokens computed and found cached,
+    copy-on-write copies, and the most blocks shared at once."""
+    total = lambda name: sum(getattr(s, name) for s in stats)  # noqa: E731
+    used, logical = total("used_blocks"), total("logical_blocks")
+    lookup_t, lookup_b = total("num_lookup_tokens"), total("num_lookup_blocks")
+    return {
+        "memory_saved": 1.0 - used / logical if logical else 0.0,
+        "token_hit_rate": total("num_hit_tokens") / lookup_t if lookup_t else 0.0,
+        "block_hit_rate": total("num_hit_blocks") / lookup_b if lookup_b else 0.0,
+        "prefill_tokens": total("num_prefill_tokens"),
+        "cached_tokens": total("num_hit_tokens"),
+        "copies": total("num_copies"),
+        "max_shared_blocks": max((s.shared_blocks for s in stats), default=0),
+    }
 
 
 @dataclass
@@ -169,10 +234,10 @@ class EngineConfig:
     max_num_batched_tokens: the most tokens in one forward; None = max(max_model_len, 2048). Must be
                             >= max_model_len: a prompt is prefilled in one forward.
     seed:                   derives the seed of every request that has none.
-    enable_prefix_caching:  share the KV blocks of a common prompt prefix between requests.
+    enable_prefix_caching:  reuse the KV blocks of a prompt prefix computed before (policy "paged" only).
     enable_chunked_prefill: split long prompts over several steps, mixed with decodes.
     use_cuda_graphs:        capture decode steps as CUDA graphs.
-    The last three are not implemented yet: True raises InvalidArgumentError.
+    The last two are not implemented yet: True raises InvalidArgumentError.
     """
 
     block_size: int = 16
@@ -219,7 +284,10 @@ class EngineConfig:
             )
         self.max_num_seqs = as_int(self.max_num_seqs, "max_num_seqs", min=1)
         self.seed = as_int(self.seed, "seed")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "use_cuda_graphs"):
+        self.enable_prefix_caching = _as_bool(self.enable_prefix_caching, "enable_prefix_caching")
+        if self.enable_prefix_caching and self.policy != "paged":
+            raise InvalidArgumentError(f"enable_prefix_caching needs policy 'paged', got {self.policy!r}")
+        for name in ("enable_chunked_prefill", "use_cuda_graphs"):
             if _as_bool(getattr(self, name), name):
                 raise InvalidArgumentError(f"{name}=True is not implemented yet")
         if self.max_model_len is not None:
@@ -329,6 +397,7 @@ class LLMEngine:
             watermark=config.watermark,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=batched,
+            enable_prefix_caching=config.enable_prefix_caching,
         )
         self.backend = self._resolve_backend(config.backend)  # "torch", "cupy" or "emulator"
         self.tokenizer, self.eos_token_ids = model.tokenizer, set(model.eos_token_ids)
@@ -425,8 +494,8 @@ class LLMEngine:
             raise InvalidArgumentError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
         return ids
 
-    def _new_sequence(self, prompt, params: SamplingParams | None, rid: int) -> Sequence:
-        """A checked, tokenized request that fits the engine; nothing is queued yet."""
+    def _new_request(self, prompt, params: SamplingParams | None, rid: int) -> list[Sequence]:
+        """A checked, tokenized request (its n samples) that fits the engine; nothing is queued yet."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidTypeError(
@@ -437,25 +506,37 @@ class LLMEngine:
         # no seed given: derive one from the engine's seed and the request number (string seeds are hashed
         # with SHA-512, so nearby numbers give unrelated streams)
         seed = params.seed if params.seed is not None else random.Random(f"{self.seed}:{rid}").getrandbits(63)
-        seq = Sequence(rid, ids, params.max_tokens, seed=seed, device=self.device, sampling_params=params)
-        self.scheduler.check_fits(seq)
-        return seq
+        seqs = [
+            Sequence(
+                rid if params.n == 1 else (rid, i),
+                ids,
+                params.max_tokens,
+                seed=sample_seed(seed, i),
+                device=self.device,
+                sampling_params=params,
+                request_id=rid,
+                index=i,
+            )
+            for i in range(params.n)
+        ]
+        self.scheduler.check_fits(seqs)
+        return seqs
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
         """Queue a request; returns its id. InvalidArgumentError (a ValueError) if it could never run
         (too long for max_model_len, or for the whole KV pool)."""
-        seq = self._new_sequence(prompt, params, self._next_id)
-        self.scheduler.add(seq)
+        seqs = self._new_request(prompt, params, self._next_id)
+        self.scheduler.add(seqs)
         self._next_id += 1
-        return seq.seq_id
+        return seqs[0].request_id
 
     def abort_request(self, request_id: int) -> bool:
         """Stop an unfinished request and free its blocks; its partial output comes back from the next
         `step()` with finish_reason "abort". False if no unfinished request has this id."""
-        seq = self.scheduler.abort(as_int(request_id, "request_id"))
-        if seq is not None:
-            self._ready.append(self._output(seq))
-        return seq is not None
+        seqs = self.scheduler.abort(as_int(request_id, "request_id"))
+        if seqs:
+            self._ready.append(self._output(seqs[0]))
+        return bool(seqs)
 
     def has_unfinished_requests(self) -> bool:
         """Requests still queued or running, or finished ones that `step()` has not returned yet."""
@@ -480,6 +561,7 @@ class LLMEngine:
                 usage = sched.usage()  # the KV memory during this step's forward
                 if out.is_empty and sched.has_unfinished():
                     raise self._no_progress_error()
+                copies = self._copy_on_write()
                 tokens = self._forward_and_sample(out, saved) if not out.is_empty else []
                 sigint.hold()
             except BaseException:
@@ -489,7 +571,7 @@ class LLMEngine:
                     seq.generator.set_state(state)
                 raise
             if not out.is_empty:
-                self._commit(out, tokens, usage, sched.num_preemptions - before, t0)
+                self._commit(out, tokens, usage, sched.num_preemptions - before, copies, t0)
         if sigint.interrupted:  # Ctrl-C during the commit: the results wait for the next step()
             raise KeyboardInterrupt
         ready, self._ready = self._ready, []
@@ -506,6 +588,13 @@ class LLMEngine:
         )
 
     @torch.inference_mode()
+    def _copy_on_write(self) -> int:
+        """Make this step's copy-on-write copies (all blocks in one indexed copy per cache tensor)."""
+        pairs = self.scheduler.block_manager.take_pending_copies()
+        self.kv_cache.copy_blocks(pairs)
+        return len(pairs)
+
+    @torch.inference_mode()
     def _forward_and_sample(self, out, saved: list) -> list[int | Exception]:
         """The batch's forward, then one token per sequence (or the exception its sampling raised).
         Appends (sequence, generator state) to `saved` before a generator is used."""
@@ -513,7 +602,7 @@ class LLMEngine:
         logits = self.model(input_ids, positions, self.kv_cache, meta, backend=self.backend)  # (S, V)
         greedy = logits.argmax(-1).tolist()  # one host sync for all greedy rows
         tokens: list[int | Exception] = []
-        for i, seq in enumerate(out.seqs):
+        for seq, i in out.samplers:  # forked samples draw from their parent's row
             if seq.sampling_params.is_greedy:
                 tokens.append(greedy[i])
                 continue
@@ -524,10 +613,11 @@ class LLMEngine:
                 tokens.append(e)
         return tokens
 
-    def _commit(self, out, tokens: list, usage: dict, num_preemptions: int, t0: float) -> None:
+    def _commit(self, out, tokens: list, usage: dict, num_preemptions: int, copies: int, t0: float) -> None:
         """Append each sequence's token and retire the finished ones (Ctrl-C is held meanwhile)."""
         sched, finished = self.scheduler, 0
-        for seq, token in zip(out.seqs, tokens, strict=True):
+        for (seq, _), token in zip(out.samplers, tokens, strict=True):
+            sched.mark_computed(seq)  # its K/V are in the cache now (and findable, with prefix caching)
             p = seq.sampling_params
             error = None
             if isinstance(token, Exception):
@@ -540,8 +630,10 @@ class LLMEngine:
                     reason = "length"
                 else:
                     continue
+            seq.error = error
             sched.finish(seq, reason)
-            self._ready.append(self._output(seq, error))
+            if all(s.status is SequenceStatus.FINISHED for s in seq.group):
+                self._ready.append(self._output(seq))
             finished += 1
         self.num_forwards += 1
         self.stats.append(
@@ -554,16 +646,35 @@ class LLMEngine:
                 num_generated=sum(not isinstance(t, Exception) for t in tokens),
                 num_finished=finished,
                 seconds=time.perf_counter() - t0,
+                num_copies=copies,
+                num_prefill_tokens=out.num_prefill_tokens,
+                num_lookup_tokens=out.num_lookup_tokens,
+                num_hit_tokens=out.num_hit_tokens,
+                num_lookup_blocks=out.num_lookup_blocks,
+                num_hit_blocks=out.num_hit_blocks,
                 **usage,
             )
         )
 
-    def _output(self, seq: Sequence, error: str | None = None) -> RequestOutput:
-        text = None
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+    def _output(self, seq: Sequence) -> RequestOutput:
+        """The RequestOutput of `seq`'s request (all its samples, finished)."""
+        outputs = []
+        for s in sorted(seq.group, key=lambda s: s.index):
+            text = None
+            if self.tokenizer is not None:
+                text = self.tokenizer.decode(s.output_token_ids, skip_special_tokens=True)
+            outputs.append(
+                CompletionOutput(s.index, list(s.output_token_ids), text, s.finish_reason, s.error)
+            )
+        first = outputs[0]
         return RequestOutput(
-            seq.seq_id, list(seq.prompt_token_ids), list(seq.output_token_ids), text, seq.finish_reason, error
+            seq.request_id,
+            list(seq.prompt_token_ids),
+            first.token_ids,
+            first.text,
+            first.finish_reason,
+            first.error,
+            outputs,
         )
 
     # -------------------------------------------------------------------------
@@ -609,11 +720,11 @@ class LLMEngine:
         else:
             params = [params] * len(prompts)
         pairs = enumerate(zip(prompts, params, strict=True))
-        seqs = [self._new_sequence(x, p, self._next_id + i) for i, (x, p) in pairs]
-        for seq in seqs:  # every one was checked: none of these can fail
-            self.scheduler.add(seq)
-        self._next_id += len(seqs)
-        ids = [seq.seq_id for seq in seqs]
+        requests = [self._new_request(x, p, self._next_id + i) for i, (x, p) in pairs]
+        for seqs in requests:  # every one was checked: none of these can fail
+            self.scheduler.add(seqs)
+        self._next_id += len(requests)
+        ids = [seqs[0].request_id for seqs in requests]
         try:
             results = self._run_until_done(set(ids), use_tqdm)
         except BaseException:  # Ctrl-C or a failed step: drop this run's requests, keep the engine usable
