@@ -123,6 +123,7 @@ class SchedulerOutput:
     num_hit_tokens: int = 0  # ... of them found in the cache (not computed)
     num_lookup_blocks: int = 0
     num_hit_blocks: int = 0
+    num_prefill_tokens: int = 0  # prompt tokens computed in this step (not found cached or shared)
 
     @property
     def seqs(self) -> list[Sequence]:
@@ -134,11 +135,6 @@ class SchedulerOutput:
         """Every sequence that gets a token this step, with its logits row (forked ones share a row)."""
         rows = {id(s): i for i, s in enumerate(self.seqs)}
         return [(s, i) for i, s in enumerate(self.seqs)] + [(c, rows[id(p)]) for c, p in self.forked]
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        """Prompt tokens computed in this step (not found cached or shared)."""
-        return sum(s.num_tokens - s.num_computed_tokens for s in self.prefills)
 
     @property
     def is_empty(self) -> bool:
@@ -440,6 +436,7 @@ class Scheduler:
         # 3) the slots of this step's new tokens: the uncomputed tokens of prefills, the last of decodes
         for seq in out.prefills:
             out.slot_mapping += bm.slot_mapping(seq.seq_id, seq.num_computed_tokens, seq.num_tokens)
+            out.num_prefill_tokens += seq.num_tokens - seq.num_computed_tokens
         for seq in out.decodes:
             out.slot_mapping += bm.slot_mapping(seq.seq_id, seq.num_tokens - 1, seq.num_tokens)
         return out
