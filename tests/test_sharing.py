@@ -438,10 +438,10 @@ PREFIXES = [SYSTEM[:8], SYSTEM[:5], QUESTIONS[3][:3]]
 SUFFIXES = [[], QUESTIONS[2], QUESTIONS[0], QUESTIONS[0][:2] + QUESTIONS[2] + [9]]
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(
     block_size=st.sampled_from([2, 4]),
-    num_blocks=st.integers(10, 20),
+    num_blocks=st.integers(8, 16),
     requests=st.lists(
         st.tuples(
             st.integers(0, 2), st.integers(0, 3), st.integers(1, 3), st.integers(1, 6), st.integers(0, 1)
