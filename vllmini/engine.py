@@ -41,6 +41,7 @@ from vllmini.model import LlamaModel
 from vllmini.scheduler import Scheduler, Sequence, SequenceStatus, check_policy
 
 GREEDY_BELOW = 1e-5  # temperatures below this count as 0 (greedy): dividing by them overflows (as vLLM)
+OUTPUT_KINDS = ("final_only", "cumulative", "delta")  # what step() returns of a request (vLLM's names)
 
 
 def _as_bool(value, name: str) -> bool:
@@ -84,6 +85,15 @@ class SamplingParams:
     unrelated streams. At temperature 0 all n samples are identical.
     The request stops at max_tokens ("length"), or at an id of stop_token_ids or the model's EOS
     ("stop"; the stop token is kept in output_token_ids). ignore_eos=True generates past EOS.
+    stop: strings that end the request when its text contains one ("stop"; needs a tokenizer): the text
+    is cut before the stop string, the token ids that made it are kept (as vLLM).
+    logprobs=k: for every generated token its log-probability and those of the k most likely tokens
+    (k=0: only its own), float32 log_softmax of the model's logits the token was drawn from (before
+    temperature, top-k and top-p, as vLLM's default "raw" logprobs).
+    output_kind: what `LLMEngine.step()` returns of this request: "final_only" (default) the finished
+    request once; "cumulative" also, after every step that added tokens, everything so far
+    (RequestOutput.finished False); "delta" only what is new since the last output. `generate` always
+    returns final outputs.
     """
 
     max_tokens: int = 16
@@ -94,6 +104,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     n: int = 1
+    stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None
+    output_kind: str = "final_only"
 
     def __post_init__(self):
         self.max_tokens = as_int(self.max_tokens, "max_tokens", min=1)
@@ -110,6 +123,13 @@ class SamplingParams:
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidArgumentError(f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
         self.ignore_eos = _as_bool(self.ignore_eos, "ignore_eos")
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) and x for x in stop):
+            raise InvalidTypeError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        self.stop = list(stop)
+        if self.logprobs is not None:
+            self.logprobs = as_int(self.logprobs, "logprobs (top alternatives per token)", min=0)
+        one_of(self.output_kind, "output_kind", OUTPUT_KINDS)
 
     @property
     def is_greedy(self) -> bool:
@@ -122,29 +142,46 @@ def sample_seed(seed: int, index: int) -> int:
 
 
 @dataclass
+class Logprob:
+    """The log-probability of one token and its rank among all (1 = most likely), as vLLM's."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None  # its text, with a tokenizer
+
+
+@dataclass
 class CompletionOutput:
-    """One of a request's n samples (vLLM's name). finish_reason as RequestOutput's."""
+    """One of a request's n samples (vLLM's name). finish_reason as RequestOutput's (None while it
+    runs). logprobs (SamplingParams.logprobs): per token, {token id: Logprob} for the token drawn and
+    the top alternatives. stop_reason: the stop token id or stop string that ended it (None for EOS)."""
 
     index: int
     token_ids: list[int]
     text: str | None
-    finish_reason: str
+    finish_reason: str | None
     error: str | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    stop_reason: int | str | None = None
 
 
 @dataclass
 class RequestOutput:
-    """A finished request. text is None without a tokenizer. finish_reason: "length", "stop", "abort"
+    """A request's output. text is None without a tokenizer. finish_reason: "length", "stop", "abort"
     (abort_request), or "error" (its sampling failed; `error` says how). `outputs` holds all n samples
-    (SamplingParams.n); the flat fields are those of the first, so n=1 code reads them directly."""
+    (SamplingParams.n); the flat fields are those of the first, so n=1 code reads them directly.
+    finished is False for what streaming requests (SamplingParams.output_kind) return while they run;
+    with output_kind "delta" the tokens, text and logprobs are those new since the last output."""
 
     request_id: int
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     text: str | None
-    finish_reason: str
+    finish_reason: str | None
     error: str | None = None
     outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = True
+    logprobs: list[dict[int, Logprob]] | None = None
 
 
 @dataclass
@@ -231,13 +268,16 @@ class EngineConfig:
     policy:                 "paged", "static" or "oracle" (vllmini.scheduler).
     watermark:              share of the pool new requests must leave free, so running ones can grow.
     max_num_seqs:           the most sequences in one batch.
-    max_num_batched_tokens: the most tokens in one forward; None = max(max_model_len, 2048). Must be
-                            >= max_model_len: a prompt is prefilled in one forward.
+    max_num_batched_tokens: the most tokens in one forward; None = max(max_model_len, 2048). Without
+                            chunked prefill it must be >= max_model_len (a prompt is prefilled in one
+                            forward); with it, anything >= 1.
     seed:                   derives the seed of every request that has none.
     enable_prefix_caching:  reuse the KV blocks of a prompt prefix computed before (policy "paged" only).
-    enable_chunked_prefill: split long prompts over several steps, mixed with decodes.
-    use_cuda_graphs:        capture decode steps as CUDA graphs.
-    The last two are not implemented yet: True raises InvalidArgumentError.
+    enable_chunked_prefill: split prompts over several steps so a step never exceeds
+                            max_num_batched_tokens: running decodes go first, prefills take chunks of
+                            what is left (vLLM's chunked prefill; Agrawal et al., Sarathi, 2023).
+    use_cuda_graphs:        capture decode steps as CUDA graphs (not implemented yet: True raises
+                            InvalidArgumentError).
     """
 
     block_size: int = 16
@@ -287,18 +327,19 @@ class EngineConfig:
         self.enable_prefix_caching = _as_bool(self.enable_prefix_caching, "enable_prefix_caching")
         if self.enable_prefix_caching and self.policy != "paged":
             raise InvalidArgumentError(f"enable_prefix_caching needs policy 'paged', got {self.policy!r}")
-        for name in ("enable_chunked_prefill", "use_cuda_graphs"):
-            if _as_bool(getattr(self, name), name):
-                raise InvalidArgumentError(f"{name}=True is not implemented yet")
+        self.enable_chunked_prefill = _as_bool(self.enable_chunked_prefill, "enable_chunked_prefill")
+        if _as_bool(self.use_cuda_graphs, "use_cuda_graphs"):
+            raise InvalidArgumentError("use_cuda_graphs=True is not implemented yet")
         if self.max_model_len is not None:
             self.check_batched_tokens(self.max_model_len)
 
     def check_batched_tokens(self, max_model_len: int) -> None:
-        """max_num_batched_tokens must hold a whole prompt of max_model_len (no chunked prefill)."""
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < max_model_len:
+        """Without chunked prefill, max_num_batched_tokens must hold a whole prompt of max_model_len."""
+        batched = self.max_num_batched_tokens
+        if not self.enable_chunked_prefill and batched is not None and batched < max_model_len:
             raise InvalidArgumentError(
-                f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than max_model_len="
-                f"{max_model_len}: a whole prompt must fit in one forward (no chunked prefill yet)"
+                f"max_num_batched_tokens={batched} is smaller than max_model_len={max_model_len}: a "
+                f"whole prompt must fit in one forward (or set enable_chunked_prefill=True)"
             )
 
 
@@ -317,20 +358,79 @@ def _make_config(config: EngineConfig | None, kwargs: dict) -> EngineConfig:
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     """One token id from logits (vocab,) under `params`, drawing only from `generator`."""
-    if params.is_greedy:
-        return int(logits.argmax())
-    logits = logits.float() / params.temperature  # (V,)
-    if params.top_k is not None and params.top_k < logits.numel():
-        top = logits.topk(params.top_k)  # keep exactly the k largest
-        logits = torch.full_like(logits, float("-inf")).scatter(0, top.indices, top.values)
-    if params.top_p < 1.0:
-        sorted_logits, order = logits.sort(descending=True)
-        probs = sorted_logits.softmax(-1)
+    [token] = sample_batch(logits[None], [0], [params], [generator])
+    if isinstance(token, Exception):
+        raise token
+    return token
+
+
+def sample_batch(
+    logits: torch.Tensor, rows: list[int], params: list[SamplingParams], generators: list[torch.Generator]
+) -> list[int | Exception]:
+    """One token per entry: from logits[rows[j]] (logits: (S, V)) under params[j], drawing only from
+    generators[j]; an entry whose draw fails gets the exception instead (it fails alone).
+
+    Greedy entries share one argmax. Sampled ones go through temperature, top-k and top-p together, as
+    tensor ops over all of them; only the multinomial draw stays one call per entry, since each draws
+    from its own generator (one batched draw would mix their streams). The ops work row by row, so an
+    entry's token does not depend on the others in the batch."""
+    tokens: list[int | Exception] = [0] * len(rows)
+    greedy = [j for j, p in enumerate(params) if p.is_greedy]
+    if greedy:
+        best = logits.argmax(-1).tolist()  # (S,): one host sync for all greedy rows
+        for j in greedy:
+            tokens[j] = best[rows[j]]
+    sampled = [j for j, p in enumerate(params) if not p.is_greedy]
+    if not sampled:
+        return tokens
+    x = logits[[rows[j] for j in sampled]].float()  # (R, V)
+    num, vocab = x.shape
+    temps = torch.tensor([params[j].temperature for j in sampled], device=x.device)  # (R,)
+    x = x / temps[:, None]
+    top_k = torch.tensor([params[j].top_k or vocab for j in sampled], device=x.device)  # (R,)
+    if bool((top_k < vocab).any()):  # keep each row's k largest
+        values, order = x.sort(-1, descending=True)  # (R, V)
+        keep = torch.arange(vocab, device=x.device)[None, :] < top_k[:, None]  # (R, V) in sorted order
+        x = torch.full_like(x, float("-inf")).scatter(1, order, values.masked_fill(~keep, float("-inf")))
+    top_p = torch.tensor([params[j].top_p for j in sampled], device=x.device)  # (R,)
+    if bool((top_p < 1.0).any()):
+        values, order = x.sort(-1, descending=True)
+        probs = values.softmax(-1)  # (R, V)
         # drop a token when the ones ranked above it already reach top_p (the first always stays)
-        drop = probs.cumsum(-1) - probs >= params.top_p
-        logits = logits.scatter(0, order[drop], float("-inf"))
-    probs = logits.softmax(-1)
+        drop = (probs.cumsum(-1) - probs >= top_p[:, None]) & (top_p < 1.0)[:, None]  # (R, V) sorted
+        x = x.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+    probs = x.softmax(-1)  # (R, V)
+    for r, j in enumerate(sampled):
+        try:
+            tokens[j] = _draw(probs[r], params[j], generators[j])
+        except Exception as e:  # this entry fails alone; Ctrl-C rolls the whole step back
+            tokens[j] = e
+    return tokens
+
+
+def _draw(probs: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """One token from the distribution probs (V,), drawn from `generator` (the per-request part)."""
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def token_logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int], ks: list[int]) -> list[dict]:
+    """For each j: {token id: (logprob, rank)} of tokens[j] and the ks[j] most likely tokens of
+    logits[rows[j]] (logits: (S, V)); float32 log_softmax, one host transfer for all."""
+    lp = logits[rows].float().log_softmax(-1)  # (R, V)
+    chosen = torch.tensor(tokens, device=lp.device)[:, None]  # (R, 1)
+    chosen_lp = lp.gather(1, chosen)  # (R, 1)
+    ranks = (lp > chosen_lp).sum(-1) + 1  # (R,): 1 + tokens strictly more likely
+    kmax = max(ks)
+    top = lp.topk(kmax, -1) if kmax else None  # (R, kmax), sorted: rank i + 1
+    chosen_lp, ranks = chosen_lp[:, 0].tolist(), ranks.tolist()
+    top_lp, top_ids = (top.values.tolist(), top.indices.tolist()) if top is not None else ([], [])
+    out = []
+    for j, (token, k) in enumerate(zip(tokens, ks, strict=True)):
+        entry = {token: (chosen_lp[j], ranks[j])}
+        for i in range(k):
+            entry.setdefault(top_ids[j][i], (top_lp[j][i], i + 1))
+        out.append(entry)
+    return out
 
 
 class _DeferSigint:
@@ -398,6 +498,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=batched,
             enable_prefix_caching=config.enable_prefix_caching,
+            enable_chunked_prefill=config.enable_chunked_prefill,
         )
         self.backend = self._resolve_backend(config.backend)  # "torch", "cupy" or "emulator"
         self.tokenizer, self.eos_token_ids = model.tokenizer, set(model.eos_token_ids)
@@ -502,6 +603,16 @@ class LLMEngine:
                 f"params must be a SamplingParams, got {type(params).__name__} {params!r}"
                 + (": use SamplingParams(**params)" if isinstance(params, dict) else "")
             )
+        if params.stop and self.tokenizer is None:
+            raise InvalidArgumentError(
+                f"SamplingParams(stop={params.stop!r}) needs a tokenizer to see the text (tokenizer.json "
+                f"in the checkpoint); without one, stop on token ids: stop_token_ids=[...]"
+            )
+        vocab = self.model.config.vocab_size
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise InvalidArgumentError(
+                f"logprobs must be <= the vocabulary size {vocab}, got {params.logprobs}"
+            )
         ids = self._encode(prompt)
         # no seed given: derive one from the engine's seed and the request number (string seeds are hashed
         # with SHA-512, so nearby numbers give unrelated streams)
@@ -551,7 +662,11 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward over the whole batch, sample; returns requests that finished
-        (and those aborted since the last step). All-or-nothing: see the module docstring."""
+        (and those aborted since the last step), and of streaming requests (SamplingParams.output_kind
+        "cumulative" or "delta") their output so far, with finished=False. Requests with the default
+        output_kind "final_only" come back once, finished, as before streaming existed; code that
+        mixes in streaming requests should check `RequestOutput.finished`. All-or-nothing: see the
+        module docstring."""
         t0 = time.perf_counter()
         sched = self.scheduler
         with _DeferSigint() as sigint:
@@ -562,7 +677,7 @@ class LLMEngine:
                 if out.is_empty and sched.has_unfinished():
                     raise self._no_progress_error()
                 copies = self._copy_on_write()
-                tokens = self._forward_and_sample(out, saved) if not out.is_empty else []
+                sampled = self._forward_and_sample(out, saved) if not out.is_empty else ([], [])
                 sigint.hold()
             except BaseException:
                 sigint.hold()
@@ -571,20 +686,26 @@ class LLMEngine:
                     seq.generator.set_state(state)
                 raise
             if not out.is_empty:
-                self._commit(out, tokens, usage, sched.num_preemptions - before, copies, t0)
+                self._commit(out, sampled, usage, sched.num_preemptions - before, copies, t0)
         if sigint.interrupted:  # Ctrl-C during the commit: the results wait for the next step()
             raise KeyboardInterrupt
         ready, self._ready = self._ready, []
         return ready
 
     def _no_progress_error(self) -> EngineStateError:
+        """The request at the head of the queue cannot be admitted although nothing runs (its blocks
+        are held outside the scheduler): say which, and what it needs."""
         sched, bm = self.scheduler, self.scheduler.block_manager
+        assert sched.waiting and not sched.running, "a step with running sequences always schedules one"
         head = sched.waiting[0]
+        group = [s for s in head.group if s.status is SequenceStatus.WAITING]
+        need = sched._plan_admission(group)[2]
+        samples = f"n={len(group)} samples of " if len(group) > 1 else ""
         return EngineStateError(
-            f"no progress: request {head.seq_id} ({head.num_tokens} tokens, "
-            f"{cdiv(head.num_tokens, bm.block_size)} blocks) cannot be scheduled with nothing running: "
-            f"{bm.num_free_blocks} of {bm.num_blocks} blocks free, {bm.watermark_blocks} held back as "
-            f"watermark; abort_request({head.seq_id}) removes it"
+            f"no progress: request {head.request_id} ({samples}{head.num_tokens} tokens, {need} blocks) "
+            f"cannot be scheduled with nothing running: {bm.num_free_blocks} of {bm.num_blocks} blocks "
+            f"free, {bm.watermark_blocks} held back as watermark; abort_request({head.request_id}) "
+            f"removes it"
         )
 
     @torch.inference_mode()
@@ -595,46 +716,61 @@ class LLMEngine:
         return len(pairs)
 
     @torch.inference_mode()
-    def _forward_and_sample(self, out, saved: list) -> list[int | Exception]:
-        """The batch's forward, then one token per sequence (or the exception its sampling raised).
-        Appends (sequence, generator state) to `saved` before a generator is used."""
+    def _forward_and_sample(self, out, saved: list) -> tuple[list, list]:
+        """The batch's forward, then one token per sequence that completes its tokens (or the exception
+        its sampling raised), and the logprobs of those that ask for them (else None). Appends
+        (sequence, generator state) to `saved` before a generator is used."""
         input_ids, positions, meta = self.scheduler.build_inputs(out, device=self.device)
         logits = self.model(input_ids, positions, self.kv_cache, meta, backend=self.backend)  # (S, V)
-        greedy = logits.argmax(-1).tolist()  # one host sync for all greedy rows
-        tokens: list[int | Exception] = []
-        for seq, i in out.samplers:  # forked samples draw from their parent's row
-            if seq.sampling_params.is_greedy:
-                tokens.append(greedy[i])
-                continue
-            saved.append((seq, seq.generator.get_state()))
-            try:
-                tokens.append(sample(logits[i], seq.sampling_params, seq.generator))
-            except Exception as e:  # this request fails alone; Ctrl-C rolls the whole step back
-                tokens.append(e)
-        return tokens
+        samplers = out.samplers  # forked samples draw from their parent's row
+        if not samplers:  # only chunks of prompts ran
+            return [], []
+        seqs, rows = [s for s, _ in samplers], [i for _, i in samplers]
+        params = [s.sampling_params for s in seqs]
+        saved += [(s, s.generator.get_state()) for s, p in zip(seqs, params, strict=True) if not p.is_greedy]
+        tokens = sample_batch(logits, rows, params, [s.generator for s in seqs])
+        logprobs: list = [None] * len(seqs)
+        want = [j for j, p in enumerate(params) if p.logprobs is not None and isinstance(tokens[j], int)]
+        if want:
+            entries = token_logprobs(
+                logits, [rows[j] for j in want], [tokens[j] for j in want], [params[j].logprobs for j in want]
+            )
+            for j, entry in zip(want, entries, strict=True):
+                logprobs[j] = entry
+        return tokens, logprobs
 
-    def _commit(self, out, tokens: list, usage: dict, num_preemptions: int, copies: int, t0: float) -> None:
+    def _commit(self, out, sampled: tuple, usage: dict, num_preemptions: int, copies: int, t0: float) -> None:
         """Append each sequence's token and retire the finished ones (Ctrl-C is held meanwhile)."""
         sched, finished = self.scheduler, 0
-        for (seq, _), token in zip(out.samplers, tokens, strict=True):
+        tokens, logprobs = sampled
+        for seq in out.partial_prefills:  # a chunk of its prompt: computed, nothing to sample yet
+            sched.mark_computed(seq, out.prefill_end(seq))
+        streamed = {}
+        for (seq, _), token, lp in zip(out.samplers, tokens, logprobs, strict=True):
             sched.mark_computed(seq)  # its K/V are in the cache now (and findable, with prefix caching)
-            p = seq.sampling_params
             error = None
             if isinstance(token, Exception):
                 reason, error = "error", f"sampling failed: {type(token).__name__}: {token}"
             else:
                 seq.output_token_ids.append(token)
-                if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-                    reason = "stop"
-                elif len(seq.output_token_ids) >= seq.max_tokens:
-                    reason = "length"
-                else:
+                if lp is not None:
+                    seq.output_logprobs.append(lp)
+                reason = self._finish_reason(seq, token)
+                if reason is None:
+                    if seq.sampling_params.output_kind != "final_only":
+                        streamed[seq.request_id] = seq
                     continue
             seq.error = error
             sched.finish(seq, reason)
             if all(s.status is SequenceStatus.FINISHED for s in seq.group):
                 self._ready.append(self._output(seq))
+                streamed.pop(seq.request_id, None)
+            elif seq.sampling_params.output_kind != "final_only":
+                streamed[seq.request_id] = seq
             finished += 1
+        for seq in streamed.values():  # streaming requests still running: what they have so far
+            if any(s.status is not SequenceStatus.FINISHED for s in seq.group):
+                self._ready.append(self._output(seq))
         self.num_forwards += 1
         self.stats.append(
             StepStats(
@@ -656,16 +792,68 @@ class LLMEngine:
             )
         )
 
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        """Why `seq` stops after appending `token` ("stop", "length"), or None. Sets its stop_reason,
+        and for a stop string where its text ends."""
+        p = seq.sampling_params
+        if token in p.stop_token_ids:
+            seq.stop_reason = token
+            return "stop"
+        if not p.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        if p.stop:  # only the text the new token added (and what a stop string may straddle) is searched
+            text = self._text(seq.output_token_ids)
+            start = max(0, len(self._text(seq.output_token_ids[:-1])) - max(map(len, p.stop)))
+            found = [(i, x) for x in p.stop if (i := text.find(x, start)) >= 0]
+            if found:
+                seq.text_end, seq.stop_reason = min(found)
+                return "stop"
+        if len(seq.output_token_ids) >= seq.max_tokens:
+            return "length"
+        return None
+
+    def _text(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _token_text(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+
+    def _completion(self, seq: Sequence) -> CompletionOutput:
+        """What to return of one sample: everything, or (output_kind "delta") what is new since the
+        last time. While it runs, text that may be the start of a stop string is held back."""
+        p, ids = seq.sampling_params, seq.output_token_ids
+        text = None
+        if self.tokenizer is not None:
+            text = self._text(ids)[: seq.text_end]
+            if seq.status is not SequenceStatus.FINISHED:
+                hold = max(map(len, p.stop), default=1) - 1  # the start of a stop string
+                text = text[: len(text) - hold].rstrip("\ufffd")  # and half a multi-byte character
+        logprobs = None
+        if p.logprobs is not None:
+            logprobs = [
+                {t: Logprob(lp, rank, self._token_text(t)) for t, (lp, rank) in e.items()}
+                for e in seq.output_logprobs
+            ]
+        if p.output_kind == "delta":
+            num_tokens, num_chars = seq.num_streamed
+            seq.num_streamed = (len(ids), num_chars if text is None else len(text))
+            ids = ids[num_tokens:]
+            text = None if text is None else text[num_chars:]
+            logprobs = None if logprobs is None else logprobs[num_tokens:]
+        return CompletionOutput(
+            seq.index,
+            list(ids),
+            text,
+            seq.finish_reason,
+            seq.error,
+            logprobs,
+            seq.stop_reason,
+        )
+
     def _output(self, seq: Sequence) -> RequestOutput:
-        """The RequestOutput of `seq`'s request (all its samples, finished)."""
-        outputs = []
-        for s in sorted(seq.group, key=lambda s: s.index):
-            text = None
-            if self.tokenizer is not None:
-                text = self.tokenizer.decode(s.output_token_ids, skip_special_tokens=True)
-            outputs.append(
-                CompletionOutput(s.index, list(s.output_token_ids), text, s.finish_reason, s.error)
-            )
+        """The RequestOutput of `seq`'s request: all its samples (finished, or so far while it streams)."""
+        finished = all(s.status is SequenceStatus.FINISHED for s in seq.group)
+        outputs = [self._completion(s) for s in sorted(seq.group, key=lambda s: s.index)]
         first = outputs[0]
         return RequestOutput(
             seq.request_id,
@@ -675,6 +863,8 @@ class LLMEngine:
             first.finish_reason,
             first.error,
             outputs,
+            finished,
+            first.logprobs,
         )
 
     # -------------------------------------------------------------------------
@@ -719,6 +909,10 @@ class LLMEngine:
                 raise InvalidArgumentError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         else:
             params = [params] * len(prompts)
+        # generate returns finished requests only: streaming options do not apply
+        params = [
+            replace(p, output_kind="final_only") if isinstance(p, SamplingParams) else p for p in params
+        ]
         pairs = enumerate(zip(prompts, params, strict=True))
         requests = [self._new_request(x, p, self._next_id + i) for i, (x, p) in pairs]
         for seqs in requests:  # every one was checked: none of these can fail
@@ -735,17 +929,22 @@ class LLMEngine:
         return [results[i] for i in ids]
 
     def _run_until_done(self, wanted: set, use_tqdm: bool) -> dict[int, RequestOutput]:
+        """Step until every request in `wanted` finished; the bar shows requests done and tokens/s."""
         results: dict[int, RequestOutput] = {}
-        bar = None
+        bar, first, t0 = None, len(self.stats), time.perf_counter()
         if use_tqdm:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(wanted), desc="requests", unit="req")
         try:
             while wanted - results.keys():
-                done = self.step()
+                done = [o for o in self.step() if o.finished]
                 results.update((o.request_id, o) for o in done)
                 if bar is not None:
+                    seconds, steps = time.perf_counter() - t0, self.stats[first:]
+                    prompt = sum(s.num_prefill_tokens for s in steps) / seconds
+                    output = sum(s.num_generated for s in steps) / seconds
+                    bar.set_postfix_str(f"input {prompt:.0f} tok/s, output {output:.0f} tok/s", refresh=False)
                     bar.update(sum(o.request_id in wanted for o in done))
         finally:
             if bar is not None:

@@ -39,7 +39,7 @@ import torch
 
 from vllmini.block_table import BlockManager
 from vllmini.checks import as_float, as_int, cdiv, one_of
-from vllmini.errors import EngineStateError, InvalidArgumentError
+from vllmini.errors import EngineStateError, InvalidArgumentError, InvalidTypeError
 from vllmini.model import AttentionMetadata
 
 POLICIES = ("paged", "static", "oracle")
@@ -78,6 +78,11 @@ class Sequence:
         self.index = as_int(index, "index", min=0)  # which of the request's n samples
         self.group: list[Sequence] = [self]  # the request's samples, set by Scheduler.add
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache (a prefill computes the rest)
+        # chunked prefill: the prefill is done once num_computed_tokens reaches prefill_target (its
+        # num_tokens when admitted); a sample that shares its first sample's pages waits for those
+        # (prefill_parent: the first sample, set at admission)
+        self.prefill_target = 0
+        self.prefill_parent: Sequence | None = None
         self.block_hashes: list[bytes] = []  # hash chain of its full blocks (prefix caching)
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -87,6 +92,11 @@ class Sequence:
         self.finish_reason: str | None = None  # "length" | "stop" | "abort" | "error" once finished
         self.error: str | None = None  # why, when finish_reason is "error"
         self.num_preemptions = 0
+        # what the engine makes of its tokens (changed only when a step commits)
+        self.output_logprobs: list = []  # one entry per output token, when logprobs are asked for
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that finished it
+        self.text_end: int | None = None  # its text is cut here (before the stop string it produced)
+        self.num_streamed: tuple[int, int] = (0, 0)  # (tokens, characters) already streamed
         # its own generator: its samples do not depend on what else is in the batch, or on preemption
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
@@ -97,6 +107,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        """Admitted, but its prefill has not computed all its tokens yet (chunked prefill)."""
+        return self.num_computed_tokens < self.prefill_target
 
     @property
     def max_len(self) -> int:
@@ -124,6 +139,16 @@ class SchedulerOutput:
     num_lookup_blocks: int = 0
     num_hit_blocks: int = 0
     num_prefill_tokens: int = 0  # prompt tokens computed in this step (not found cached or shared)
+    chunk_ends: dict = field(default_factory=dict)  # chunked prefill: seq_id -> end of its chunk
+
+    def prefill_end(self, seq: Sequence) -> int:
+        """Where this step's prefill of `seq` stops: num_tokens, or earlier for a chunk."""
+        return self.chunk_ends.get(seq.seq_id, seq.num_tokens)
+
+    @property
+    def partial_prefills(self) -> list[Sequence]:
+        """Prefills whose chunk stops before their last token: they compute K/V but sample nothing."""
+        return [s for s in self.prefills if self.prefill_end(s) < s.num_tokens]
 
     @property
     def seqs(self) -> list[Sequence]:
@@ -134,7 +159,9 @@ class SchedulerOutput:
     def samplers(self) -> list[tuple[Sequence, int]]:
         """Every sequence that gets a token this step, with its logits row (forked ones share a row)."""
         rows = {id(s): i for i, s in enumerate(self.seqs)}
-        return [(s, i) for i, s in enumerate(self.seqs)] + [(c, rows[id(p)]) for c, p in self.forked]
+        partial = {id(s) for s in self.partial_prefills}
+        own = [(s, i) for i, s in enumerate(self.seqs) if id(s) not in partial]
+        return own + [(c, rows[id(p)]) for c, p in self.forked]
 
     @property
     def is_empty(self) -> bool:
@@ -155,6 +182,7 @@ class Scheduler:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int | None = None,
         enable_prefix_caching: bool = False,
+        enable_chunked_prefill: bool = False,
     ):
         check_policy(policy)
         num_blocks = as_int(num_blocks, "num_blocks", min=1)
@@ -179,6 +207,11 @@ class Scheduler:
         self.policy, self.block_size, self.max_model_len = policy, block_size, max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens or max(max_model_len, 2048)
+        if not isinstance(enable_chunked_prefill, bool):
+            raise InvalidTypeError(
+                f"enable_chunked_prefill must be a bool, got {type(enable_chunked_prefill).__name__}"
+            )
+        self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last one is preempted first
         self.num_preemptions = 0
@@ -387,6 +420,7 @@ class Scheduler:
         for seq in group:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
+            seq.prefill_target, seq.prefill_parent = seq.num_tokens, first if seq is not first else None
             self.running.append(seq)
 
     def schedule(self) -> SchedulerOutput:
@@ -394,12 +428,15 @@ class Scheduler:
         out = SchedulerOutput()
         bm = self.block_manager
         order = {id(s): i for i, s in enumerate(self.running)}  # admission order
-        # 1) every running sequence decodes one token (the one it sampled last step), oldest first
-        queue, kept = list(self.running), []
+        # 1) every running sequence decodes one token (the one it sampled last step), oldest first;
+        # with chunked prefill, those still prefilling get their next chunk in 2)
+        running, queue, kept = self.running, list(self.running), []
         while queue:
             seq = queue.pop(0)
             if seq.seq_id in self._stale:  # its cached KV may be overwritten: recompute it (and its group)
                 self._preempt_group(seq, queue, kept, out)
+                continue
+            if self.enable_chunked_prefill and seq.is_prefilling:  # blocks allocated at admission
                 continue
             if self.policy == "paged":
                 while bm.block_table(seq.seq_id).num_new_blocks(1) > bm.num_free_blocks:
@@ -412,13 +449,18 @@ class Scheduler:
                 bm.append(seq.seq_id, 1)
             kept.append(seq)
             out.decodes.append(seq)
-        self.running = kept
+        self.running = [s for s in running if s.status is SequenceStatus.RUNNING]  # kept + prefilling
         # preempted ones go back to the head of the queue, in admission order (groups stay together)
         for seq in sorted(out.preempted, key=lambda s: order[id(s)], reverse=True):
             self.waiting.appendleft(seq)
 
-        # 2) admit waiting requests (FCFS) while they fit; not after a preemption (it would thrash)
+        # 2) admit waiting requests (FCFS) while they fit; not after a preemption (it would thrash).
+        # With chunked prefill, first the running prefills, then the admitted ones take what the token
+        # budget has left, a chunk each
         budget = self.max_num_batched_tokens - len(out.decodes)
+        chunked = self.enable_chunked_prefill
+        if chunked:
+            budget = self._schedule_chunks([s for s in self.running if s.is_prefilling], budget, out)
         while self.waiting and not out.preempted:
             head = self.waiting[0]
             group = [s for s in head.group if s.status is SequenceStatus.WAITING]
@@ -426,41 +468,72 @@ class Scheduler:
             if len(self.running) + len(group) > self.max_num_seqs:
                 break
             hits, shares, need, tokens = self._plan_admission(group)
-            if out.prefills and tokens > budget:
+            if (budget < 1) if chunked else (out.prefills and tokens > budget):
                 break
             if bm.num_free_blocks - need < bm.watermark_blocks:
                 break
+            if not chunked:
+                self._admit(group, hits, shares, out)
+                budget -= tokens
+                continue
+            num_prefills, num_forked = len(out.prefills), len(out.forked)
             self._admit(group, hits, shares, out)
-            budget -= tokens
+            del out.prefills[num_prefills:], out.forked[num_forked:]  # the chunks decide what runs
+            budget = self._schedule_chunks(group, budget, out)
 
         # 3) the slots of this step's new tokens: the uncomputed tokens of prefills, the last of decodes
         for seq in out.prefills:
-            out.slot_mapping += bm.slot_mapping(seq.seq_id, seq.num_computed_tokens, seq.num_tokens)
-            out.num_prefill_tokens += seq.num_tokens - seq.num_computed_tokens
+            end = out.prefill_end(seq)
+            out.slot_mapping += bm.slot_mapping(seq.seq_id, seq.num_computed_tokens, end)
+            out.num_prefill_tokens += end - seq.num_computed_tokens
         for seq in out.decodes:
             out.slot_mapping += bm.slot_mapping(seq.seq_id, seq.num_tokens - 1, seq.num_tokens)
         return out
 
-    def mark_computed(self, seq: Sequence) -> None:
-        """After a step committed: every token `seq` holds in the cache is computed. With prefix caching,
-        the blocks this completed are named by their hash, for later requests to find."""
-        start, seq.num_computed_tokens = seq.num_computed_tokens, seq.num_tokens
+    def _schedule_chunks(self, seqs: list[Sequence], budget: int, out: SchedulerOutput) -> int:
+        """Chunked prefill: give each of `seqs` (admitted, still prefilling, oldest first) its next chunk
+        while `budget` tokens last; returns what is left. A sample that forks its first sample (same
+        tokens) computes nothing: it samples from the first's logits in the step its prefill completes.
+        One that shares the first's blocks runs once the first has computed them (this step counts:
+        a forward writes every K/V of a layer before any attention reads it)."""
+        for seq in seqs:
+            parent = seq.prefill_parent
+            if parent is not None:
+                parent_end = out.chunk_ends.get(parent.seq_id, parent.num_computed_tokens)
+                if seq.token_ids == parent.token_ids:
+                    if parent_end == parent.num_tokens and any(p is parent for p in out.prefills):
+                        out.forked.append((seq, parent))
+                    continue
+                if parent_end < seq.num_computed_tokens:
+                    continue
+            if budget < 1:
+                continue  # forks of a parent scheduled above still join
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            out.prefills.append(seq)
+            out.chunk_ends[seq.seq_id] = seq.num_computed_tokens + n
+            budget -= n
+        return budget
+
+    def mark_computed(self, seq: Sequence, end: int | None = None) -> None:
+        """After a step committed: `seq`'s tokens up to `end` (default: all it holds in the cache) are
+        computed. With prefix caching, the blocks this completed are named by their hash, for later
+        requests to find."""
+        end = seq.num_tokens if end is None else end
+        start, seq.num_computed_tokens = seq.num_computed_tokens, end
         if self.block_manager.prefix_cache is not None:
-            self.block_manager.cache_full_blocks(
-                seq.seq_id, seq.token_ids, seq.block_hashes, start, seq.num_tokens
-            )
+            self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.block_hashes, start, end)
 
     def build_inputs(
         self, out: SchedulerOutput, device=None
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """input_ids (num_tokens,), positions (num_tokens,) and the AttentionMetadata of a batch."""
         ids, pos, query_lens, seq_lens = [], [], [], []
-        for seq in out.prefills:  # tokens [num_computed_tokens, num_tokens): may start mid-sequence
-            start = seq.num_computed_tokens
-            ids += seq.token_ids[start:]
-            pos += range(start, seq.num_tokens)
-            query_lens.append(seq.num_tokens - start)
-            seq_lens.append(seq.num_tokens)
+        for seq in out.prefills:  # tokens [num_computed_tokens, end): may start mid-sequence
+            start, end = seq.num_computed_tokens, out.prefill_end(seq)
+            ids += seq.token_ids[start:end]
+            pos += range(start, end)
+            query_lens.append(end - start)
+            seq_lens.append(end)
         for seq in out.decodes:
             ids.append(seq.token_ids[-1])
             pos.append(seq.num_tokens - 1)
