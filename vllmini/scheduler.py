@@ -385,6 +385,8 @@ class Scheduler:
         for seq in group[1:]:
             if seq.token_ids == first.token_ids:
                 shares.append(None)
+                # it writes its first token into the shared last block, unless that one is full: a copy
+                need += int(seq.num_tokens % bs != 0)
                 continue
             common = next(
                 (i for i, (a, b) in enumerate(zip(seq.token_ids, first.token_ids, strict=False)) if a != b),
