@@ -816,7 +816,9 @@ class LLMEngine:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def _token_text(self, token_id: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+        return (
+            None if self.tokenizer is None else self.tokenizer.decode([token_id], skip_special_tokens=False)
+        )
 
     def _completion(self, seq: Sequence) -> CompletionOutput:
         """What to return of one sample: everything, or (output_kind "delta") what is new since the
