@@ -32,6 +32,10 @@ the same machine to compare tokens/s: on a workload that shares nothing it shoul
 --system-prompt N puts the same N-token system prompt (full-size tokens, scaled) before every prompt; the
 paged runs then print the prefix-cache hit rate and the prompt tokens they computed.
 
+Chunked prefill: --chunked-prefill runs every engine with enable_chunked_prefill (prompts split so a step
+holds at most --max-num-batched-tokens tokens, default max(max_model_len, 2048)); compare tokens/s with and
+without on the same machine.
+
 Recorded 2026-11-30 (same seeds; batch and memory do not depend on the model or device):
   full size, CPU, 2000 steps (--scale 1 --steps 2000 --no-sweep), mean batch / KV budget holding tokens:
     ShareGPT  static 7.00 / 20.2%   oracle 17.44 / 58.4%   paged 30.79 / 97.0%  (paper 7.00 / 20.4%,
@@ -86,6 +90,8 @@ ONE_B = dict(
     num_attention_heads=32,
     num_key_value_heads=8,
 )  # 0.85B parameters: TinyLlama-like (hidden 2048, GQA 32/8) with 16 layers
+
+ENGINE_OPTIONS: dict = {}  # options every engine of a run gets (--chunked-prefill, --max-num-batched-tokens)
 
 
 def random_model(shape: dict, max_len: int, dtype: torch.dtype, device: str, seed: int = 0) -> LlamaModel:
@@ -177,6 +183,7 @@ def run(
         max_num_seqs=1024,
         watermark=0.01,
         enable_prefix_caching=prefix_caching and policy == "paged",
+        **ENGINE_OPTIONS,
     )
     for prompt, out in reqs:
         engine.add_request(prompt, SamplingParams(max_tokens=out, ignore_eos=True))
@@ -276,6 +283,7 @@ def engine_tokens_per_s(
         policy=policy,
         max_num_seqs=1024,
         enable_prefix_caching=prefix_caching and policy == "paged",
+        **ENGINE_OPTIONS,
     )
     engine.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm
     with Timer(model.device) as t:
@@ -386,6 +394,8 @@ def main() -> None:
         help="tokens/s against transformers' generate (default: on with CUDA, off on CPU)",
     )
     ap.add_argument("--prefix-caching", action="store_true", help="paged runs with enable_prefix_caching")
+    ap.add_argument("--chunked-prefill", action="store_true", help="every run with enable_chunked_prefill")
+    ap.add_argument("--max-num-batched-tokens", type=int, metavar="N", help="tokens per step (the budget)")
     ap.add_argument(
         "--system-prompt",
         type=int,
@@ -394,6 +404,9 @@ def main() -> None:
         help="start every prompt with the same N-token system prompt (full-size tokens, divided by --scale)",
     )
     args = ap.parse_args()
+    ENGINE_OPTIONS.update(
+        enable_chunked_prefill=args.chunked_prefill, max_num_batched_tokens=args.max_num_batched_tokens
+    )
     scale = args.scale or (4 if args.device == "cpu" else 1)
     steps = args.steps or (1000 if args.device == "cuda" else 500)
     warmup = steps // 5
@@ -410,6 +423,8 @@ def main() -> None:
         f"{max_len}, KV budget {kv_slots} slots, block size {block}; {steps} steps per run, first {warmup} "
         "not averaged"
         + (", prefix caching on" if args.prefix_caching else "")
+        + (", chunked prefill on" if args.chunked_prefill else "")
+        + (f", {args.max_num_batched_tokens} tokens per step" if args.max_num_batched_tokens else "")
         + (f", shared system prompt of {args.system_prompt // scale} tokens" if args.system_prompt else "")
     )
 
