@@ -20,6 +20,16 @@ Sharing pages (vllmini.scheduler says how): `SamplingParams(n=...)` returns n sa
 a step's copies are one indexed copy per cache tensor, before its forward). `enable_prefix_caching`
 lets requests reuse the cached K/V of a prompt prefix computed before. `sharing_summary(engine.stats)`
 sums up what sharing saved over a run.
+
+`enable_chunked_prefill` caps every step at max_num_batched_tokens: running decodes go first, prompts
+take the rest in chunks, so a long prompt no longer stalls them (a chunk that stops before the prompt's
+end samples nothing; a failed step undoes its chunks too).
+
+Sampling the batch: greedy rows share one argmax; sampled rows go through temperature, top-k and top-p
+together as tensor ops; only the multinomial draw is one call per request, from its own generator.
+SamplingParams also takes stop strings (`stop`, with a tokenizer), per-token `logprobs` and an
+`output_kind` for streaming: "cumulative" or "delta" requests come back from every step that gave them
+tokens, with RequestOutput.finished False until the last.
 """
 
 from __future__ import annotations

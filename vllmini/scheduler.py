@@ -16,6 +16,13 @@ the first sample's tokens; the others share its whole blocks as far as their tok
 only the rest. With prefix caching, a sequence admitted starts on the longest cached prefix of its
 tokens. Either way a prefill computes tokens [num_computed_tokens, num_tokens): it may start at k > 0.
 
+Chunked prefill (enable_chunked_prefill): a step never holds more than max_num_batched_tokens tokens.
+Running decodes go first (one token each); then sequences still prefilling, oldest first, and then newly
+admitted ones each take a chunk [num_computed_tokens, end) of what is left. A request is admitted with
+blocks for all its tokens, so chunks never allocate or preempt; a prefill that starts at k > 0 is the same
+mechanism prefix caching uses. Samples that fork the first one wait for its last chunk, then sample from
+its logits; samples that share some of its blocks wait until it has computed them.
+
 A step can be undone: `snapshot()` before `schedule()` and `restore()` after a failed forward put back
 every allocation, append and preemption, so the next `schedule()` makes the same batch again. A sequence
 preempted in the failed step gets its blocks back, but the failed forward may have written other tokens
