@@ -337,8 +337,8 @@ class _DeferSigint:
     """Within `with`: Ctrl-C raises KeyboardInterrupt as usual until `hold()`; after that it is only
     recorded in `.interrupted`, for the caller to act on once the critical part is done."""
 
-    def __init__(self):
-        self.holding = self.interrupted = False
+    def __init__(self, hold: bool = False):
+        self.holding, self.interrupted = hold, False
         self._previous = None
 
     def hold(self) -> None:
@@ -533,10 +533,10 @@ class LLMEngine:
     def abort_request(self, request_id: int) -> bool:
         """Stop an unfinished request and free its blocks; its partial output comes back from the next
         `step()` with finish_reason "abort". False if no unfinished request has this id."""
-        seqs = self.scheduler.abort(as_int(request_id, "request_id"))
-        if seqs:
-            self._ready.append(self._output(seqs[0]))
-        return bool(seqs)
+        seq = self.scheduler.abort(as_int(request_id, "request_id"))
+        if seq is not None:
+            self._ready.append(self._output(seq))
+        return seq is not None
 
     def has_unfinished_requests(self) -> bool:
         """Requests still queued or running, or finished ones that `step()` has not returned yet."""
@@ -578,13 +578,9 @@ class LLMEngine:
         return ready
 
     def _no_progress_error(self) -> EngineStateError:
-        sched, bm = self.scheduler, self.scheduler.block_manager
-        head = sched.waiting[0]
+        head = self.scheduler.waiting[0].request_id
         return EngineStateError(
-            f"no progress: request {head.seq_id} ({head.num_tokens} tokens, "
-            f"{cdiv(head.num_tokens, bm.block_size)} blocks) cannot be scheduled with nothing running: "
-            f"{bm.num_free_blocks} of {bm.num_blocks} blocks free, {bm.watermark_blocks} held back as "
-            f"watermark; abort_request({head.seq_id}) removes it"
+            f"no progress: {self.scheduler.stall_message()}; abort_request({head}) removes it"
         )
 
     @torch.inference_mode()
@@ -728,9 +724,10 @@ class LLMEngine:
         try:
             results = self._run_until_done(set(ids), use_tqdm)
         except BaseException:  # Ctrl-C or a failed step: drop this run's requests, keep the engine usable
-            for i in ids:
-                self.abort_request(i)
-            self._ready = [o for o in self._ready if o.request_id not in set(ids)]
+            with _DeferSigint(hold=True):  # a second Ctrl-C must not stop the cleanup halfway
+                for i in ids:
+                    self.abort_request(i)
+                self._ready = [o for o in self._ready if o.request_id not in set(ids)]
             raise
         return [results[i] for i in ids]
 
