@@ -304,6 +304,52 @@ def test_manager_fork_free_and_pending_copies():
     assert m.num_free_blocks == 6 and m.seq_ids == []
 
 
+def test_pending_copy_keeps_its_source_alive_until_taken():
+    """Copy-on-write, then the parent freed before take_pending_copies(): the source block must not go
+    back to the pool (another sequence would get it, and the copy would read that sequence's KV)."""
+    m = BlockManager(3, 4)
+    m.allocate("p", 2)  # block 0, half full
+    m.fork("p", "c")
+    m.append("c", 1)  # copy-on-write of block 0 into block 1
+    m.free("p")
+    assert m.allocator.ref_count(0) == 1 and m.num_free_blocks == 1  # pinned for the copy
+    assert m.allocate("q", 4) == [8, 9, 10, 11]  # block 2, not block 0
+    assert m.take_pending_copies() == [(0, 1)]
+    assert m.allocator.ref_count(0) == 0 and m.num_free_blocks == 1  # the pin went with the copy
+    assert m.take_pending_copies() == []
+
+
+def test_pending_copy_goes_with_its_destination():
+    m = BlockManager(3, 4)
+    m.allocate("p", 2)
+    m.fork("p", "c")
+    m.append("c", 1)
+    m.free("p")  # block 0 pinned for c's copy
+    m.free("c")  # the copy lost its destination: no copy, no pin
+    assert m.take_pending_copies() == [] and m.num_free_blocks == 3
+    m.allocate("p", 2)
+    m.fork("p", "c")
+    m.append("c", 1)
+    m.free("c")  # the parent never let go: nothing was pinned
+    assert m.take_pending_copies() == [] and m.num_free_blocks == 2
+    assert [m.allocator.ref_count(b) for b in range(3)] == [1, 0, 0]
+
+
+def test_snapshot_and_restore_undo_every_change():
+    m = BlockManager(6, 2)
+    m.allocate("a", 3)
+    m.fork("a", "b")
+    before = manager_state(m)
+    snapshot = m.snapshot()
+    for _ in range(2):  # a snapshot can be restored more than once
+        m.append("b", 1)  # copy-on-write
+        m.free("a")  # pins a's last block for b's copy
+        m.allocate("c", 4)
+        m.restore(snapshot)
+        assert manager_state(m) == before and m.seq_ids == ["a", "b"]
+        assert m.take_pending_copies() == [] and m.num_free_blocks == 4
+
+
 def test_build_block_tables_pads_with_minus_one():
     m = BlockManager(8, 2)
     m.allocate(0, 5)  # blocks 0, 1, 2

@@ -224,7 +224,7 @@ def test_no_progress_names_the_request_under_chunking_and_n(model):
     bm = engine.scheduler.block_manager
     bm.allocate("leak", 24)  # 6 of 8 blocks held outside the scheduler
     rid = engine.add_request([5] * 9, SamplingParams(max_tokens=2, n=2, temperature=1.0))
-    with pytest.raises(EngineStateError, match=rf"request {rid} \(n=2 samples of 9 tokens, 3 blocks\)"):
+    with pytest.raises(EngineStateError, match=rf"request {rid} \(9 tokens, 2 samples, 4 blocks\)"):
         engine.step()
     assert len(engine.scheduler.waiting) == 2  # nothing changed
     bm.free("leak")

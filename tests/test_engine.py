@@ -1,22 +1,18 @@
-"""vllmini.engine and vllmini.scheduler: greedy tokens as transformers, preemption, sampling, rejection.
+"""vllmini.engine: greedy tokens as transformers, preemption, sampling, rejection, the config, and steps
+that fail or are interrupted (rolled back, retried, aborted). The scheduler alone: tests/test_scheduler.py.
 
 The model is a tiny random-weight transformers LlamaForCausalLM (GQA, tied embeddings, Llama-3 rope
 scaling); the reference decodes it greedily in float64, one prompt at a time, and records the gap
 between its top-2 logits at every step so that genuine ties (gap < 1e-4) are not counted as errors.
 """
 
-import random
-
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
 
 from vllmini.engine import LLMEngine, RequestOutput, SamplingParams, sample
 from vllmini.errors import EngineStateError, InvalidArgumentError, InvalidTypeError, VllminiError
 from vllmini.model import LlamaModel
-from vllmini.scheduler import Scheduler, Sequence, SequenceStatus
 
 transformers = pytest.importorskip("transformers")
 from llama_cases import LLAMA3_ROPE, random_hf_model  # noqa: E402 (needs transformers)
@@ -376,59 +372,6 @@ def test_step_by_step_returns_each_request_once(model, prompts):
     assert engine.step() == []
 
 
-# -----------------------------------------------------------------------------
-# the scheduler alone: no request lost or duplicated, whatever the pool
-
-
-@given(
-    num_blocks=st.integers(4, 24),
-    block_size=st.sampled_from([1, 2, 4]),
-    policy=st.sampled_from(["paged", "static", "oracle"]),
-    requests=st.lists(st.tuples(st.integers(1, 12), st.integers(1, 12)), min_size=1, max_size=12),
-    seed=st.integers(0, 1000),
-)
-def test_scheduler_never_loses_or_duplicates(num_blocks, block_size, policy, requests, seed):
-    max_model_len = 24
-    if policy == "static" and -(-max_model_len // block_size) > num_blocks:
-        with pytest.raises(ValueError, match="static"):
-            Scheduler(num_blocks, block_size, max_model_len, policy=policy, watermark=0.0)
-        return
-    sched = Scheduler(num_blocks, block_size, max_model_len, policy=policy, watermark=0.0, max_num_seqs=5)
-    rng = random.Random(seed)
-    seqs = []
-    for i, (n_prompt, n_out) in enumerate(requests):
-        seq = Sequence(i, [1] * n_prompt, n_out, seed=0)
-        try:
-            sched.add(seq)
-            seqs.append(seq)
-        except ValueError:
-            assert -(-(n_prompt + n_out - 1) // block_size) > num_blocks or policy != "paged"
-    finished = []
-    for _ in range(2000):
-        if not sched.has_unfinished():
-            break
-        out = sched.schedule()
-        assert not out.is_empty
-        batch = [s.seq_id for s in out.seqs]
-        assert len(batch) == len(set(batch)) <= 5
-        assert len(out.slot_mapping) == len(set(out.slot_mapping))  # no two tokens share a slot
-        assert all(s.status is SequenceStatus.RUNNING for s in out.seqs)
-        assert {s.seq_id for s in sched.running} == set(batch)
-        assert not {s.seq_id for s in sched.waiting} & set(batch)
-        input_ids, positions, meta = sched.build_inputs(out)
-        assert input_ids.shape == positions.shape == (len(out.slot_mapping),)
-        for seq in out.seqs:
-            seq.output_token_ids.append(rng.randrange(100))
-            if len(seq.output_token_ids) == seq.max_tokens or rng.random() < 0.05:
-                sched.finish(seq, "length")
-                finished.append(seq.seq_id)
-    assert not sched.has_unfinished()
-    assert sorted(finished) == [s.seq_id for s in seqs]
-    assert sched.block_manager.num_free_blocks == num_blocks
-    if policy != "paged":
-        assert sched.num_preemptions == 0
-
-
 def test_emulator_backend_gives_the_same_tokens(model, prompts):
     """The decode path through the CUDA source run on the CPU (prefill stays on torch)."""
     params = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -580,14 +523,16 @@ def test_a_failure_in_every_forward_is_rolled_back(model, prompts, clean_run, er
     engine = _small_engine(model)
     original, failed = engine.model.forward, set()
 
-    def forward(*args, **kwargs):
+    def forward(input_ids, positions, kv_cache, meta, **kwargs):
         step = len(engine.stats)
         if step not in failed and when == "before":
             failed.add(step)
             raise error("injected")
-        logits = original(*args, **kwargs)
-        if step not in failed:
+        logits = original(input_ids, positions, kv_cache, meta, **kwargs)
+        if step not in failed:  # after its KV writes, and leaving garbage in them
             failed.add(step)
+            for cache in kv_cache.key_caches + kv_cache.value_caches:
+                cache.view(-1, *cache.shape[2:])[meta.slot_mapping] = 100.0
             raise error("injected")
         return logits
 
@@ -780,24 +725,29 @@ def test_no_progress_names_the_request_that_cannot_fit(model):
 
 
 def test_a_victim_of_a_failed_step_is_recomputed_if_the_retry_differs(model, prompts, reference):
-    """A failed forward may write into the blocks of a sequence it preempted. Restored, that sequence must
-    not decode over them: when the retried step does not preempt it again (here an abort made room), it
-    is recomputed. Greedy tokens still match transformers'."""
+    """A failed forward may write into the blocks of a sequence it preempted (here: garbage). Restored,
+    that sequence must not decode over them: when the retried step does not preempt it again (here an
+    abort made room), it is recomputed. Greedy tokens still match transformers'."""
     engine = LLMEngine(model, block_size=4, num_blocks=16, watermark=0.0)
     original, sched = engine.model.forward, engine.scheduler
     for p in prompts:
         engine.add_request(p, GREEDY)
     outputs = {}
-    while True:  # step up to the first step that preempts (the scheduler's own undo lets us look ahead)
-        snapshot = sched.snapshot()
-        preempts = bool(sched.schedule().preempted)
+    bm = sched.block_manager
+    while True:  # step up to a step whose forward writes into the blocks of a sequence it preempts
+        before = {s.seq_id: bm.block_table(s.seq_id).block_ids for s in sched.running}
+        snapshot = sched.snapshot()  # the scheduler's own undo lets us look ahead
+        out = sched.schedule()
         sched.restore(snapshot)
-        if preempts:
+        written = {slot // bm.block_size for slot in out.slot_mapping}
+        if any(written.intersection(before[s.seq_id]) for s in out.preempted):
             break
         outputs.update((o.request_id, o) for o in engine.step())
 
-    def forward(*args, **kwargs):  # runs (writing the KV cache), then fails
-        original(*args, **kwargs)
+    def forward(input_ids, positions, kv_cache, meta, **kwargs):  # writes the KV cache, then fails
+        original(input_ids, positions, kv_cache, meta, **kwargs)
+        for cache in kv_cache.key_caches + kv_cache.value_caches:  # a failed forward may leave anything
+            cache.view(-1, *cache.shape[2:])[meta.slot_mapping] = 100.0
         raise RuntimeError("after the KV writes")
 
     engine.model.forward = forward

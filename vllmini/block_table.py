@@ -367,11 +367,8 @@ class BlockManager:
         vars(self.allocator).update({k: copy.copy(v) for k, v in allocator.items()})
         self._tables = {}
         for seq_id, (table, block_ids, num_tokens, pending) in tables.items():
-            table._block_ids, table._num_tokens, table.pending_copies = (
-                list(block_ids),
-                num_tokens,
-                list(pending),
-            )
+            table._block_ids, table._num_tokens = list(block_ids), num_tokens
+            table.pending_copies = list(pending)
             self._tables[seq_id] = table
         self._pinned = set(pinned)
         if cache is not None:  # blocks evicted since the snapshot lose their names; free ones go back

@@ -447,8 +447,8 @@ class _DeferSigint:
     """Within `with`: Ctrl-C raises KeyboardInterrupt as usual until `hold()`; after that it is only
     recorded in `.interrupted`, for the caller to act on once the critical part is done."""
 
-    def __init__(self):
-        self.holding = self.interrupted = False
+    def __init__(self, hold: bool = False):
+        self.holding, self.interrupted = hold, False
         self._previous = None
 
     def hold(self) -> None:
@@ -654,10 +654,10 @@ class LLMEngine:
     def abort_request(self, request_id: int) -> bool:
         """Stop an unfinished request and free its blocks; its partial output comes back from the next
         `step()` with finish_reason "abort". False if no unfinished request has this id."""
-        seqs = self.scheduler.abort(as_int(request_id, "request_id"))
-        if seqs:
-            self._ready.append(self._output(seqs[0]))
-        return bool(seqs)
+        seq = self.scheduler.abort(as_int(request_id, "request_id"))
+        if seq is not None:
+            self._ready.append(self._output(seq))
+        return seq is not None
 
     def has_unfinished_requests(self) -> bool:
         """Requests still queued or running, or finished ones that `step()` has not returned yet."""
@@ -705,17 +705,10 @@ class LLMEngine:
     def _no_progress_error(self) -> EngineStateError:
         """The request at the head of the queue cannot be admitted although nothing runs (its blocks
         are held outside the scheduler): say which, and what it needs."""
-        sched, bm = self.scheduler, self.scheduler.block_manager
-        assert sched.waiting and not sched.running, "a step with running sequences always schedules one"
-        head = sched.waiting[0]
-        group = [s for s in head.group if s.status is SequenceStatus.WAITING]
-        need = sched._plan_admission(group)[2]
-        samples = f"n={len(group)} samples of " if len(group) > 1 else ""
+        assert self.scheduler.waiting and not self.scheduler.running, "running sequences always schedule"
+        head = self.scheduler.waiting[0].request_id
         return EngineStateError(
-            f"no progress: request {head.request_id} ({samples}{head.num_tokens} tokens, {need} blocks) "
-            f"cannot be scheduled with nothing running: {bm.num_free_blocks} of {bm.num_blocks} blocks "
-            f"free, {bm.watermark_blocks} held back as watermark; abort_request({head.request_id}) "
-            f"removes it"
+            f"no progress: {self.scheduler.stall_message()}; abort_request({head}) removes it"
         )
 
     @torch.inference_mode()
@@ -923,7 +916,10 @@ class LLMEngine:
             params = [params] * len(prompts)
         # generate returns finished requests only: streaming options do not apply
         params = [
-            replace(p, output_kind="final_only") if isinstance(p, SamplingParams) else p for p in params
+            replace(p, output_kind="final_only")
+            if isinstance(p, SamplingParams) and p.output_kind != "final_only"
+            else p
+            for p in params
         ]
         pairs = enumerate(zip(prompts, params, strict=True))
         requests = [self._new_request(x, p, self._next_id + i) for i, (x, p) in pairs]
@@ -934,9 +930,10 @@ class LLMEngine:
         try:
             results = self._run_until_done(set(ids), use_tqdm)
         except BaseException:  # Ctrl-C or a failed step: drop this run's requests, keep the engine usable
-            for i in ids:
-                self.abort_request(i)
-            self._ready = [o for o in self._ready if o.request_id not in set(ids)]
+            with _DeferSigint(hold=True):  # a second Ctrl-C must not stop the cleanup halfway
+                for i in ids:
+                    self.abort_request(i)
+                self._ready = [o for o in self._ready if o.request_id not in set(ids)]
             raise
         return [results[i] for i in ids]
 

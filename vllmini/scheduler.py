@@ -299,9 +299,9 @@ class Scheduler:
         self.block_manager.free(seq.seq_id)
         self._retire(seq, reason)
 
-    def abort(self, request_id) -> list[Sequence]:
-        """Stop every waiting or running sample of a request (between steps) and free their blocks;
-        returns them (empty if the request is unknown or already finished)."""
+    def abort(self, request_id) -> Sequence | None:
+        """Stop every waiting or running sample of a request (between steps) and free their blocks.
+        Returns its first sample (`.group` holds them all), or None if no sample was waiting or running."""
         group = self._requests.get(request_id, [])
         live = [s for s in group if self._live.get(s.seq_id) is s]
         for seq in live:
@@ -311,7 +311,7 @@ class Scheduler:
             else:
                 self.waiting.remove(seq)
             self._retire(seq, "abort")
-        return live
+        return group[0] if live else None
 
     def _retire(self, seq: Sequence, reason: str) -> None:
         del self._live[seq.seq_id]
@@ -354,6 +354,22 @@ class Scheduler:
     def _reserve(self, seq: Sequence) -> int:
         """Slots a static policy reserves for `seq` at admission."""
         return self.max_model_len if self.policy == "static" else seq.max_len
+
+    def _admit_tokens(self, seq: Sequence) -> int:
+        """Slots `seq` takes when admitted: its tokens (paged), or its reservation (static policies)."""
+        return seq.num_tokens if self.policy == "paged" else self._reserve(seq)
+
+    def stall_message(self) -> str:
+        """Why nothing can be scheduled although requests wait (for the engine's no-progress error)."""
+        bm, head = self.block_manager, self.waiting[0]
+        group = [s for s in head.group if s.status is SequenceStatus.WAITING]
+        need = self._plan_admission(group)[2]
+        samples = f", {len(group)} samples" if len(group) > 1 else ""
+        return (
+            f"request {head.request_id} ({head.num_tokens} tokens{samples}, {need} blocks) cannot be "
+            f"scheduled with nothing running: {bm.num_free_blocks} of {bm.num_blocks} blocks free, "
+            f"{bm.watermark_blocks} held back as watermark"
+        )
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.block_manager.free(seq.seq_id)
@@ -407,8 +423,7 @@ class Scheduler:
 
     def _admit(self, group: list[Sequence], hits: list, shares: list, out: SchedulerOutput) -> None:
         bm, bs, first = self.block_manager, self.block_size, group[0]
-        paged = self.policy == "paged"
-        bm.allocate(first.seq_id, first.num_tokens if paged else self._reserve(first), shared=hits)
+        bm.allocate(first.seq_id, self._admit_tokens(first), shared=hits)
         first.num_computed_tokens = len(hits) * bs
         out.prefills.append(first)
         if bm.prefix_cache is not None:
@@ -423,7 +438,7 @@ class Scheduler:
                 seq.num_computed_tokens = first.num_computed_tokens
                 out.forked.append((seq, first))
             else:
-                bm.allocate(seq.seq_id, seq.num_tokens if paged else self._reserve(seq), shared=blocks[:k])
+                bm.allocate(seq.seq_id, self._admit_tokens(seq), shared=blocks[:k])
                 seq.num_computed_tokens = k * bs
                 out.prefills.append(seq)
         for seq in group:
@@ -563,12 +578,25 @@ class Scheduler:
 
     def usage(self) -> dict:
         """KV memory right now: slots holding real tokens vs allocated (reserved) vs in the pool, and
-        what sharing saves (`BlockManager.sharing`)."""
+        what sharing saves (see StepStats).
+
+        O(sequences), for every step: BlockManager.utilization walks every block (it counts shared blocks
+        once; 7 ms a step at 16k blocks), and counts a static reservation as tokens. Only when blocks
+        are shared does it walk the tables, to count shared blocks and their tokens once."""
         bm = self.block_manager
-        u = bm.utilization()
-        keys = ("allocated_slots", "pool_slots", "used_blocks", "free_blocks")
-        # the block manager counts a static reservation as tokens: count those the sequences hold
-        # (a running sequence holds num_tokens - 1 tokens between steps, num_tokens during its forward);
-        # paged tables hold exactly their tokens, shared ones once
-        tokens = u["num_tokens"] if self.policy == "paged" else sum(s.num_tokens for s in self.running)
-        return {"num_tokens": tokens} | {k: u[k] for k in keys} | bm.sharing()
+        # a running sequence holds num_tokens - 1 tokens between steps, num_tokens during its forward
+        num_tokens, shared = sum(s.num_tokens for s in self.running), 0
+        used = bm.num_blocks - bm.num_free_blocks
+        logical = sum(bm.block_table(s.seq_id).num_blocks for s in self.running)
+        if logical > used - len(bm._pinned):  # some physical block has several owners
+            num_tokens, shared = bm.utilization()["num_tokens"], bm.sharing()["shared_blocks"]
+        return {
+            "num_tokens": num_tokens,
+            "allocated_slots": used * self.block_size,
+            "pool_slots": bm.num_blocks * self.block_size,
+            "used_blocks": used,
+            "free_blocks": bm.num_free_blocks,
+            "logical_blocks": logical,
+            "shared_blocks": shared,
+            "cached_blocks": bm.num_cached_free_blocks,
+        }
