@@ -51,6 +51,7 @@ from vllmini.model import LlamaModel
 from vllmini.scheduler import Scheduler, Sequence, SequenceStatus, check_policy
 
 GREEDY_BELOW = 1e-5  # temperatures below this count as 0 (greedy): dividing by them overflows (as vLLM)
+STOP_WINDOW = 8  # tokens decoded beyond a stop string's length to look for it (tokens may decode to "")
 OUTPUT_KINDS = ("final_only", "cumulative", "delta")  # what step() returns of a request (vLLM's names)
 
 
@@ -804,13 +805,16 @@ class LLMEngine:
             return "stop"
         if not p.ignore_eos and token in self.eos_token_ids:
             return "stop"
-        if p.stop:  # only the text the new token added (and what a stop string may straddle) is searched
-            text = self._text(seq.output_token_ids)
-            start = max(0, len(self._text(seq.output_token_ids[:-1])) - max(map(len, p.stop)))
-            found = [(i, x) for x in p.stop if (i := text.find(x, start)) >= 0]
-            if found:
-                seq.text_end, seq.stop_reason = min(found)
-                return "stop"
+        if p.stop:
+            # a stop string not seen before ends in the new token: decoding the last few tokens finds it
+            # (the whole text is decoded once, when it is found, to cut it there)
+            tail = self._text(seq.output_token_ids[-(max(map(len, p.stop)) + STOP_WINDOW) :])
+            if any(x in tail for x in p.stop):
+                text = self._text(seq.output_token_ids)
+                found = [(i, x) for x in p.stop if (i := text.find(x)) >= 0]
+                if found:  # (a tail decoded alone may differ from the whole text at its start)
+                    seq.text_end, seq.stop_reason = min(found)
+                    return "stop"
         if len(seq.output_token_ids) >= seq.max_tokens:
             return "length"
         return None
