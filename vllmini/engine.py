@@ -395,33 +395,40 @@ def sample_batch(
     if not sampled:
         return tokens
     x = logits[[rows[j] for j in sampled]].float()  # (R, V)
-    num, vocab = x.shape
+    vocab = x.shape[1]
     temps = torch.tensor([params[j].temperature for j in sampled], device=x.device)  # (R,)
     x = x / temps[:, None]
-    top_k = torch.tensor([params[j].top_k or vocab for j in sampled], device=x.device)  # (R,)
-    if bool((top_k < vocab).any()):  # keep each row's k largest
+    ks = [min(params[j].top_k or vocab, vocab) for j in sampled]
+    if min(ks) < vocab:  # keep each row's k largest (decided on the host: no device sync)
+        top_k = torch.tensor(ks, device=x.device)  # (R,)
         values, order = x.sort(-1, descending=True)  # (R, V)
         keep = torch.arange(vocab, device=x.device)[None, :] < top_k[:, None]  # (R, V) in sorted order
         x = torch.full_like(x, float("-inf")).scatter(1, order, values.masked_fill(~keep, float("-inf")))
-    top_p = torch.tensor([params[j].top_p for j in sampled], device=x.device)  # (R,)
-    if bool((top_p < 1.0).any()):
+    ps = [params[j].top_p for j in sampled]
+    if min(ps) < 1.0:
+        top_p = torch.tensor(ps, device=x.device)  # (R,)
         values, order = x.sort(-1, descending=True)
         probs = values.softmax(-1)  # (R, V)
         # drop a token when the ones ranked above it already reach top_p (the first always stays)
         drop = (probs.cumsum(-1) - probs >= top_p[:, None]) & (top_p < 1.0)[:, None]  # (R, V) sorted
         x = x.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
     probs = x.softmax(-1)  # (R, V)
+    drawn = {}
     for r, j in enumerate(sampled):
         try:
-            tokens[j] = _draw(probs[r], params[j], generators[j])
+            drawn[j] = _draw(probs[r], params[j], generators[j])  # (1,) on the device
         except Exception as e:  # this entry fails alone; Ctrl-C rolls the whole step back
             tokens[j] = e
+    if drawn:  # one host sync for all draws
+        for j, t in zip(drawn, torch.cat(list(drawn.values())).tolist(), strict=True):
+            tokens[j] = t
     return tokens
 
 
-def _draw(probs: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """One token from the distribution probs (V,), drawn from `generator` (the per-request part)."""
-    return int(torch.multinomial(probs, 1, generator=generator))
+def _draw(probs: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
+    """One token id, (1,), from the distribution probs (V,), drawn from `generator` (the per-request
+    part of sampling)."""
+    return torch.multinomial(probs, 1, generator=generator)
 
 
 def token_logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int], ks: list[int]) -> list[dict]:
