@@ -297,3 +297,56 @@ def test_scheduler_chunks_never_lose_a_token_or_exceed_the_budget(seed):
     assert not sched.has_unfinished()
     assert all(len(s.output_token_ids) == s.max_tokens for s in seqs)
     assert sched.block_manager.num_free_blocks == 40
+
+
+@pytest.mark.parametrize("policy", ["static", "oracle"])
+def test_chunks_under_static_reservations(model, prompts, reference, policy):
+    engine = chunked(model, 6, policy=policy, max_model_len=48, num_blocks=48)
+    outputs = engine.generate(prompts, GREEDY, use_tqdm=False)
+    assert_same_greedy([o.output_token_ids for o in outputs], reference)
+    assert max(step_tokens(s) for s in engine.stats) <= 6 and engine.num_preemptions == 0
+
+
+@pytest.mark.parametrize("seed", range(6))  # seeds 0, 2, 3 preempt; 0, 2, 4 hit the prefix cache
+def test_random_mixes_of_arrivals_samples_and_cached_prefixes(model, hf64, seed):
+    """Requests arriving at random steps, n = 1..3 greedy samples, shared prefixes (prefix caching on or
+    off), a tight pool and a random budget: every sample equals transformers', the pool comes back."""
+    rng = random.Random(seed)
+    system = [rng.randrange(3, 128) for _ in range(rng.randint(4, 12))]
+    budget, caching = rng.randint(2, 12), seed % 2 == 0
+    engine = chunked(model, budget, num_blocks=12, watermark=0.0, enable_prefix_caching=caching)
+    arrivals = sorted(rng.randrange(16) for _ in range(8))
+    requests, outputs, step = {}, {}, 0
+    while arrivals or engine.has_unfinished_requests():
+        while arrivals and arrivals[0] <= step:
+            arrivals.pop(0)
+            prompt = system + [rng.randrange(3, 128) for _ in range(rng.randint(1, 8))]
+            params = SamplingParams(max_tokens=rng.randint(2, 10), n=rng.randint(1, 3), ignore_eos=True)
+            requests[engine.add_request(prompt, params)] = (prompt, params.max_tokens)
+        outputs.update((o.request_id, o) for o in engine.step())
+        step += 1
+    assert sorted(outputs) == sorted(requests)
+    for rid, (prompt, max_tokens) in requests.items():
+        tokens, gaps = greedy_reference(hf64, prompt, max_tokens)
+        for c in outputs[rid].outputs:
+            diff = next((t for t in range(max_tokens) if c.token_ids[t] != tokens[t]), None)
+            assert len(c.token_ids) == max_tokens and (diff is None or gaps[diff] < TIE)
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and len(bm) == 0
+    assert max(step_tokens(s) for s in engine.stats if not s.num_decodes) <= budget
+
+
+@pytest.mark.parametrize("budget, num_blocks", [(3, 14), (5, 14), (5, 16)])
+def test_sampled_groups_preempted_mid_run_wait_for_the_pages_they_share(model, prompts, budget, num_blocks):
+    """n=3 sampled requests in a pool that preempts them after their samples diverged: readmitted, the
+    first sample recomputes in chunks and the others, sharing its leading blocks, only run once those
+    are computed. Every sample equals the same request run alone in a big pool without chunking."""
+    params = [SamplingParams(max_tokens=12, n=3, temperature=1.0, seed=i, ignore_eos=True) for i in range(4)]
+    picked = prompts[4:8]
+    engine = chunked(model, budget, num_blocks=num_blocks, watermark=0.0)
+    got = engine.generate(picked, params, use_tqdm=False)
+    assert engine.num_preemptions > 0
+    for prompt, p, o in zip(picked, params, got, strict=True):
+        [alone] = LLMEngine(model, block_size=4, num_blocks=64).generate(prompt, p, use_tqdm=False)
+        assert [c.token_ids for c in o.outputs] == [c.token_ids for c in alone.outputs]
+        assert len({tuple(c.token_ids) for c in o.outputs}) == 3

@@ -518,20 +518,21 @@ class Scheduler:
         """Chunked prefill: give each of `seqs` (admitted, still prefilling, oldest first) its next chunk
         while `budget` tokens last; returns what is left. A sample that forks its first sample (same
         tokens) computes nothing: it samples from the first's logits in the step its prefill completes.
-        One that shares the first's blocks runs once the first has computed them (this step counts:
-        a forward writes every K/V of a layer before any attention reads it)."""
+        One that shares the first's blocks reads them only once they are computed: the first comes
+        before it, and a chunk goes to a later sequence only when the earlier ones got all they need
+        (this step counts: a forward writes every K/V of a layer before any attention reads it)."""
         for seq in seqs:
             parent = seq.prefill_parent
-            if parent is not None:
-                parent_end = out.chunk_ends.get(parent.seq_id, parent.num_computed_tokens)
-                if seq.token_ids == parent.token_ids:
-                    if parent_end == parent.num_tokens and any(p is parent for p in out.prefills):
-                        out.forked.append((seq, parent))
-                    continue
-                if parent_end < seq.num_computed_tokens:
-                    continue
+            parent_end = (
+                None if parent is None else out.chunk_ends.get(parent.seq_id, parent.num_computed_tokens)
+            )
+            if parent is not None and seq.token_ids == parent.token_ids:
+                if parent_end == parent.num_tokens and any(p is parent for p in out.prefills):
+                    out.forked.append((seq, parent))
+                continue
             if budget < 1:
                 continue  # forks of a parent scheduled above still join
+            assert parent_end is None or parent_end >= seq.num_computed_tokens, "shared blocks computed"
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             out.prefills.append(seq)
             out.chunk_ends[seq.seq_id] = seq.num_computed_tokens + n
