@@ -462,7 +462,10 @@ class Scheduler:
         """After a step committed: every token `seq` holds in the cache is computed. With prefix caching,
         the blocks this completed are named by their hash, for later requests to find."""
         start, seq.num_computed_tokens = seq.num_computed_tokens, seq.num_tokens
-        if self.block_manager.prefix_cache is not None:
+        bs = self.block_size
+        if (
+            self.block_manager.prefix_cache is not None and seq.num_tokens // bs > start // bs
+        ):  # a block filled
             self.block_manager.cache_full_blocks(
                 seq.seq_id, seq.token_ids, seq.block_hashes, start, seq.num_tokens
             )
