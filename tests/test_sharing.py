@@ -93,6 +93,9 @@ def test_finished_prefix_stays_cached_and_is_found_again():
     check_pool(bm)
     with pytest.raises(InvalidArgumentError, match="whole blocks"):
         bm.allocate("c", 7, shared=blocks[:2])
+    with pytest.raises(InvalidArgumentError, match="distinct"):
+        bm.allocate("c", 8, shared=blocks[:1] * 2)
+    check_pool(bm)  # the refused calls changed nothing
 
 
 def test_eviction_least_recently_used_tail_first_and_no_stale_hit():
