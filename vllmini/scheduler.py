@@ -34,6 +34,7 @@ from __future__ import annotations
 import enum
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import islice
 
 import torch
 
@@ -439,7 +440,7 @@ class Scheduler:
         while self.waiting and not out.preempted:
             head = self.waiting[0]
             group = [s for s in head.group if s.status is SequenceStatus.WAITING]
-            assert list(self.waiting)[: len(group)] == group, "a group waits together"
+            assert list(islice(self.waiting, len(group))) == group, "a group waits together"
             if len(self.running) + len(group) > self.max_num_seqs:
                 break
             hits, shares, need, tokens = self._plan_admission(group)
