@@ -480,7 +480,7 @@ def test_abort_returns_every_sample(model):
     assert engine.scheduler.block_manager.num_free_blocks == 32
 
 
-def test_sharing_options_are_checked(model):
+def test_sharing_options_are_checked(model, hf):
     with pytest.raises(InvalidArgumentError, match="n"):
         SamplingParams(n=0)
     with pytest.raises(InvalidTypeError, match="n"):
@@ -494,6 +494,8 @@ def test_sharing_options_are_checked(model):
     assert not engine.has_unfinished_requests()
     with pytest.raises(InvalidArgumentError, match="policy 'paged'"):
         LLMEngine(model, block_size=BS, num_blocks=16, policy="static", enable_prefix_caching=True)
+    loaded = LLMEngine.from_pretrained(hf, num_blocks=8, block_size=BS, enable_prefix_caching=True)
+    assert loaded.config.enable_prefix_caching and loaded.scheduler.block_manager.prefix_cache is not None
 
 
 @pytest.mark.parametrize("policy", ["static", "oracle"])
