@@ -12,7 +12,7 @@ from functools import cache
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from vllmini import prefix_cache as pc
@@ -93,6 +93,9 @@ def test_finished_prefix_stays_cached_and_is_found_again():
     check_pool(bm)
     with pytest.raises(InvalidArgumentError, match="whole blocks"):
         bm.allocate("c", 7, shared=blocks[:2])
+    with pytest.raises(InvalidArgumentError, match="distinct"):
+        bm.allocate("c", 8, shared=blocks[:1] * 2)
+    check_pool(bm)  # the refused calls changed nothing
 
 
 def test_eviction_least_recently_used_tail_first_and_no_stale_hit():
@@ -164,6 +167,79 @@ def test_prefix_caching_flag_is_checked():
     with pytest.raises(InvalidArgumentError, match="enable_prefix_caching"):
         BlockManager(4, 4, enable_prefix_caching=1)
     assert BlockManager(4, 4).cached_prefix([1] * 9, []) == []
+
+
+@settings(max_examples=150, deadline=None)
+# a failed step evicts the tail of a cached prompt; asked again, the prompt must not find it
+@example(num_blocks=3, block_size=2, ops=[("start", 0, 0), ("free", 0, 0), ("fail", 1, 0), ("start", 0, 0)])
+# ... and a request that evicts it for good, writing its own tokens there
+@example(num_blocks=3, block_size=2, ops=[("start", 0, 0), ("free", 0, 0), ("start", 1, 0), ("start", 0, 0)])
+@given(
+    num_blocks=st.integers(3, 10),
+    block_size=st.sampled_from([1, 2, 3]),
+    ops=st.lists(
+        st.tuples(st.sampled_from(["start", "grow", "free", "fail"]), st.integers(0, 5), st.integers(0, 9)),
+        max_size=40,
+    ),
+)
+def test_cached_blocks_always_hold_their_prefix(num_blocks, block_size, ops):
+    """A fake KV cache whose slot holds the whole prefix up to its token (as real K/V depend on it).
+    Random starts (on the longest cached prefix), growth, frees, and failed steps that write garbage
+    and are rolled back: every hit must hold exactly the requester's prefix, and the pool stay sound."""
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=True)
+    bs, kv, seqs, next_id = block_size, {}, {}, 0
+    prompts = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 9, 9], [7, 7, 7, 7, 7, 7, 7], [1, 2], [5]]
+
+    def write(seq_id, tokens, start, garbage=False):
+        for src, dst in bm.take_pending_copies():  # copy-on-write, before the writes
+            for j in range(bs):
+                if src * bs + j in kv:
+                    kv[dst * bs + j] = kv[src * bs + j]
+        for t, slot in enumerate(bm.slot_mapping(seq_id, start), start):
+            kv[slot] = "garbage" if garbage else tuple(tokens[: t + 1])
+
+    def commit(seq_id):
+        tokens, hashes = seqs[seq_id]
+        bm.cache_full_blocks(seq_id, tokens, hashes, 0, len(tokens))
+
+    for op, a, b in ops:
+        live = sorted(seqs)
+        if op in ("start", "fail"):
+            tokens = prompts[a % len(prompts)] + [b] * (a // 2)
+            hashes = []
+            hits = bm.cached_prefix(tokens, hashes)
+            for i, block in enumerate(hits):  # what a hit block holds is exactly our prefix
+                assert [kv.get(block * bs + j) for j in range(bs)] == [
+                    tuple(tokens[: i * bs + j + 1]) for j in range(bs)
+                ]
+            if not bm.can_allocate(len(tokens), hits):
+                continue
+            snap = bm.snapshot() if op == "fail" else None
+            bm.allocate(next_id, len(tokens), shared=hits)
+            if op == "fail":  # the forward wrote into the new pages, then the step was rolled back
+                write(next_id, tokens, len(hits) * bs, garbage=True)
+                bm.restore(snap)
+                continue
+            seqs[next_id] = (tokens, hashes)
+            write(next_id, tokens, len(hits) * bs)
+            commit(next_id)
+            next_id += 1
+        elif op == "grow" and live:
+            seq_id = live[a % len(live)]
+            tokens, _ = seqs[seq_id]
+            if bm.can_append(seq_id, 1):
+                bm.append(seq_id, 1)
+                tokens.append(b)
+                write(seq_id, tokens, len(tokens) - 1)
+                commit(seq_id)
+        elif op == "free" and live:
+            bm.free(live[a % len(live)])
+            del seqs[live[a % len(live)]]
+        check_pool(bm)
+    for seq_id in list(seqs):
+        bm.free(seq_id)
+    check_pool(bm)
+    assert bm.num_free_blocks == num_blocks and len(bm) == 0
 
 
 # -----------------------------------------------------------------------------
@@ -404,7 +480,7 @@ def test_abort_returns_every_sample(model):
     assert engine.scheduler.block_manager.num_free_blocks == 32
 
 
-def test_sharing_options_are_checked(model):
+def test_sharing_options_are_checked(model, hf):
     with pytest.raises(InvalidArgumentError, match="n"):
         SamplingParams(n=0)
     with pytest.raises(InvalidTypeError, match="n"):
@@ -418,6 +494,8 @@ def test_sharing_options_are_checked(model):
     assert not engine.has_unfinished_requests()
     with pytest.raises(InvalidArgumentError, match="policy 'paged'"):
         LLMEngine(model, block_size=BS, num_blocks=16, policy="static", enable_prefix_caching=True)
+    loaded = LLMEngine.from_pretrained(hf, num_blocks=8, block_size=BS, enable_prefix_caching=True)
+    assert loaded.config.enable_prefix_caching and loaded.scheduler.block_manager.prefix_cache is not None
 
 
 @pytest.mark.parametrize("policy", ["static", "oracle"])

@@ -214,6 +214,8 @@ class BlockManager:
 
     def _check_shared(self, num_tokens: int, shared) -> list[int]:
         shared = [self.allocator._check_allocated(b, "share") for b in shared]
+        if len(set(shared)) != len(shared):
+            raise InvalidArgumentError(f"shared blocks must be distinct, got {shared}")
         if len(shared) * self.block_size > num_tokens:
             raise InvalidArgumentError(
                 f"{len(shared)} shared blocks hold {len(shared) * self.block_size} tokens, more than the "

@@ -278,7 +278,7 @@ class EngineConfig:
     backend:                decode attention: "auto", "torch", "cupy" or "emulator" (vllmini.attention).
     policy:                 "paged", "static" or "oracle" (vllmini.scheduler).
     watermark:              share of the pool new requests must leave free, so running ones can grow.
-    max_num_seqs:           the most sequences in one batch.
+    max_num_seqs:           the most sequences in one batch (a request with n samples counts n).
     max_num_batched_tokens: the most tokens in one forward; None = max(max_model_len, 2048). Without
                             chunked prefill it must be >= max_model_len (a prompt is prefilled in one
                             forward); with it, anything >= 1.

@@ -41,6 +41,7 @@ from __future__ import annotations
 import enum
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import islice
 
 import torch
 
@@ -488,7 +489,7 @@ class Scheduler:
         while self.waiting and not out.preempted:
             head = self.waiting[0]
             group = [s for s in head.group if s.status is SequenceStatus.WAITING]
-            assert list(self.waiting)[: len(group)] == group, "a group waits together"
+            assert list(islice(self.waiting, len(group))) == group, "a group waits together"
             if len(self.running) + len(group) > self.max_num_seqs:
                 break
             hits, shares, need, tokens = self._plan_admission(group)
@@ -545,7 +546,8 @@ class Scheduler:
         requests to find."""
         end = seq.num_tokens if end is None else end
         start, seq.num_computed_tokens = seq.num_computed_tokens, end
-        if self.block_manager.prefix_cache is not None:
+        bs = self.block_size
+        if self.block_manager.prefix_cache is not None and end // bs > start // bs:  # a block filled
             self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.block_hashes, start, end)
 
     def build_inputs(
