@@ -139,6 +139,10 @@ def test_running_decodes_are_not_stalled_by_a_long_prompt(model, prompts, hf64):
         assert all(s.num_decodes == 2 for s in prefill_steps)  # the two running ones went on every step
         if on:  # 60 prompt tokens, 6 per step beside the 2 decodes
             assert len(prefill_steps) == 10 and all(s.num_prefill_tokens == 6 for s in prefill_steps)
+            # the KV cache holds what the chunks computed so far, not the slots reserved for the rest
+            held = [s.num_tokens for s in prefill_steps]
+            assert [b - a for a, b in zip(held, held[1:], strict=False)] == [8] * 9
+            assert all(s.num_tokens < s.allocated_slots - 8 for s in prefill_steps[:-2])
         got = outputs[rid].output_token_ids
         diff = next((t for t in range(4) if got[t] != expected[t]), None)
         assert diff is None or gaps[diff] < TIE

@@ -692,6 +692,7 @@ class LLMEngine:
             try:
                 out = sched.schedule()
                 usage = sched.usage()  # the KV memory during this step's forward
+                usage["num_tokens"] -= sched.unreached_slots(out)  # chunked prefill: not written yet
                 if out.is_empty and sched.has_unfinished():
                     raise self._no_progress_error()
                 copies = self._copy_on_write()

@@ -540,6 +540,18 @@ class Scheduler:
             budget -= n
         return budget
 
+    def unreached_slots(self, out: SchedulerOutput) -> int:
+        """Chunked prefill: slots allocated for prompt tokens that no chunk has reached by the end of
+        this step (a forked sample's are its first sample's)."""
+        if not self.enable_chunked_prefill:
+            return 0
+        return sum(
+            s.prefill_target - out.chunk_ends.get(s.seq_id, s.num_computed_tokens)
+            for s in self.running
+            if s.is_prefilling
+            and not (s.prefill_parent is not None and s.token_ids == s.prefill_parent.token_ids)
+        )
+
     def mark_computed(self, seq: Sequence, end: int | None = None) -> None:
         """After a step committed: `seq`'s tokens up to `end` (default: all it holds in the cache) are
         computed. With prefix caching, the blocks this completed are named by their hash, for later
