@@ -399,19 +399,20 @@ def sample_batch(
     temps = torch.tensor([params[j].temperature for j in sampled], device=x.device)  # (R,)
     x = x / temps[:, None]
     ks = [min(params[j].top_k or vocab, vocab) for j in sampled]
-    if min(ks) < vocab:  # keep each row's k largest (decided on the host: no device sync)
-        top_k = torch.tensor(ks, device=x.device)  # (R,)
-        values, order = x.sort(-1, descending=True)  # (R, V)
-        keep = torch.arange(vocab, device=x.device)[None, :] < top_k[:, None]  # (R, V) in sorted order
-        x = torch.full_like(x, float("-inf")).scatter(1, order, values.masked_fill(~keep, float("-inf")))
     ps = [params[j].top_p for j in sampled]
-    if min(ps) < 1.0:
-        top_p = torch.tensor(ps, device=x.device)  # (R,)
-        values, order = x.sort(-1, descending=True)
-        probs = values.softmax(-1)  # (R, V)
-        # drop a token when the ones ranked above it already reach top_p (the first always stays)
-        drop = (probs.cumsum(-1) - probs >= top_p[:, None]) & (top_p < 1.0)[:, None]  # (R, V) sorted
-        x = x.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+    if min(ks) < vocab or min(ps) < 1.0:  # (decided on the host: no device sync)
+        # the K most likely, in order (K: the largest top_k; a full sort when some row has none)
+        kmax = max(ks)
+        values, order = x.topk(kmax, -1) if kmax < vocab else x.sort(-1, descending=True)  # (R, K)
+        rank = torch.arange(kmax, device=x.device)[None, :]  # (1, K)
+        drop = rank >= torch.tensor(ks, device=x.device)[:, None]  # (R, K): past each row's top k
+        if min(ps) < 1.0:
+            top_p = torch.tensor(ps, device=x.device)[:, None]  # (R, 1)
+            probs = values.masked_fill(drop, float("-inf")).softmax(-1)  # (R, K): the top k renormalized
+            # drop a token when the ones ranked above it already reach top_p (the first always stays)
+            drop |= (probs.cumsum(-1) - probs >= top_p) & (top_p < 1.0)
+        kept = values.masked_fill(drop, float("-inf"))  # (R, K)
+        x = torch.full_like(x, float("-inf")).scatter(1, order, kept)  # (R, V): the rest never drawn
     probs = x.softmax(-1)  # (R, V)
     drawn = {}
     for r, j in enumerate(sampled):
@@ -523,7 +524,7 @@ class LLMEngine:
         self.stats: list[StepStats] = []
         self.num_forwards = 0  # forwards of committed steps (one per step)
         self._next_id = 0
-        self._ready: list[RequestOutput] = []  # finished but not yet returned by step()
+        self._ready: list[RequestOutput] = []  # finished (or streamed) but not yet returned by step()
 
     @classmethod
     def from_pretrained(
