@@ -914,7 +914,9 @@ class LLMEngine:
     ) -> list[RequestOutput]:
         """Run `prompts` (strings with a tokenizer, token-id lists, 1-D int tensors or arrays; or one of
         these alone) to completion, in prompt order. All requests are checked before any is queued; if
-        the run is interrupted (Ctrl-C) or fails, its requests are aborted and the engine stays usable."""
+        the run is interrupted (Ctrl-C) or fails, its requests are aborted and the engine stays usable.
+        Whole outputs only (SamplingParams.output_kind does not apply: stream with `step()`); the bar
+        shows requests done and prompt and output tokens/s."""
         if self.has_unfinished_requests():
             raise EngineStateError(
                 "generate() needs an idle engine; finish the requests already added with step() "
