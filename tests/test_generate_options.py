@@ -359,3 +359,17 @@ def test_a_bad_row_fails_alone():
     params = [SamplingParams(temperature=1.0)] * 3
     out = sample_batch(logits, [0, 1, 2], params, [torch.Generator().manual_seed(i) for i in range(3)])
     assert isinstance(out[1], RuntimeError) and isinstance(out[0], int) and isinstance(out[2], int)
+
+
+def test_aborting_a_streaming_request_ends_its_stream(model, prompts):
+    engine = LLMEngine(model, block_size=4, num_blocks=32)
+    params = SamplingParams(max_tokens=20, n=2, temperature=1.0, seed=2, ignore_eos=True, output_kind="delta")
+    rid = engine.add_request(prompts[1], params)
+    pieces = engine.step() + engine.step()
+    assert [(o.request_id, o.finished) for o in pieces] == [(rid, False)] * 2
+    assert all(len(c.token_ids) == 1 and c.finish_reason is None for o in pieces for c in o.outputs)
+    assert engine.abort_request(rid)
+    [last] = engine.step()
+    assert last.finished and [c.finish_reason for c in last.outputs] == ["abort", "abort"]
+    assert all(c.token_ids == [] for c in last.outputs)  # nothing new since the last piece
+    assert not engine.has_unfinished_requests()
