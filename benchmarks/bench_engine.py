@@ -27,6 +27,15 @@ tokens/s against transformers' generate on the same prompts.
     python benchmarks/bench_engine.py                      # CPU, scaled by 4
     python benchmarks/bench_engine.py --device cuda --plot benchmarks/out/engine.png
 
+Sharing: --prefix-caching runs the paged engine with enable_prefix_caching (run it with and without on
+the same machine to compare tokens/s: on a workload that shares nothing it should cost nothing), and
+--system-prompt N puts the same N-token system prompt (full-size tokens, scaled) before every prompt; the
+paged runs then print the prefix-cache hit rate and the prompt tokens they computed.
+
+Chunked prefill: --chunked-prefill runs every engine with enable_chunked_prefill (prompts split so a step
+holds at most --max-num-batched-tokens tokens, default max(max_model_len, 2048)); compare tokens/s with and
+without on the same machine.
+
 Recorded 2026-11-30 (same seeds; batch and memory do not depend on the model or device):
   full size, CPU, 2000 steps (--scale 1 --steps 2000 --no-sweep), mean batch / KV budget holding tokens:
     ShareGPT  static 7.00 / 20.2%   oracle 17.44 / 58.4%   paged 30.79 / 97.0%  (paper 7.00 / 20.4%,
@@ -54,7 +63,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from vllmini.engine import LLMEngine, SamplingParams
+from vllmini.engine import LLMEngine, SamplingParams, sharing_summary
 from vllmini.memory import sample_requests
 from vllmini.model import LlamaConfig, LlamaModel
 
@@ -82,6 +91,8 @@ ONE_B = dict(
     num_key_value_heads=8,
 )  # 0.85B parameters: TinyLlama-like (hidden 2048, GQA 32/8) with 16 layers
 
+ENGINE_OPTIONS: dict = {}  # options every engine of a run gets (--chunked-prefill, --max-num-batched-tokens)
+
 
 def random_model(shape: dict, max_len: int, dtype: torch.dtype, device: str, seed: int = 0) -> LlamaModel:
     """A Llama of `shape` with N(0, 0.02) weights (norms 1), built directly on `device`."""
@@ -95,16 +106,18 @@ def random_model(shape: dict, max_len: int, dtype: torch.dtype, device: str, see
     return model.eval()
 
 
-def workload(name: str, n: int, max_model_len: int, scale: int, vocab: int, seed: int = 0):
+def workload(name: str, n: int, max_model_len: int, scale: int, vocab: int, seed: int = 0, system: int = 0):
     """n (prompt_ids, output_len) pairs: full-size lengths drawn at max_len = max_model_len * scale, then
-    divided by scale (rounded, at least 1 token)."""
+    divided by scale (rounded, at least 1 token). system > 0: the same `system` tokens (already scaled)
+    start every prompt, before its own tokens."""
     g = torch.Generator().manual_seed(seed)
+    shared = torch.randint(0, vocab, (system,), generator=torch.Generator().manual_seed(seed + 1)).tolist()
     reqs = []
     for i, o in sample_requests(n, name, max_model_len * scale, seed):
         i, o = max(1, round(i / scale)), max(1, round(o / scale))
-        i = min(i, max_model_len - 1)
-        o = min(o, max_model_len - i)
-        reqs.append((torch.randint(0, vocab, (i,), generator=g).tolist(), o))
+        i = min(i, max_model_len - 1 - system)
+        o = min(o, max_model_len - system - i)
+        reqs.append((shared + torch.randint(0, vocab, (i,), generator=g).tolist(), o))
     return reqs
 
 
@@ -145,6 +158,7 @@ class Result:
     preemptions: int
     queue_ran_dry: bool
     backend: str = ""
+    sharing: dict | None = None  # sharing_summary of the whole run (paged)
 
 
 def run(
@@ -158,6 +172,7 @@ def run(
     steps: int,
     warmup: int,
     label: str = "",
+    prefix_caching: bool = False,
 ) -> Result:
     engine = LLMEngine(
         model,
@@ -167,6 +182,8 @@ def run(
         policy=policy,
         max_num_seqs=1024,
         watermark=0.01,
+        enable_prefix_caching=prefix_caching and policy == "paged",
+        **ENGINE_OPTIONS,
     )
     for prompt, out in reqs:
         engine.add_request(prompt, SamplingParams(max_tokens=out, ignore_eos=True))
@@ -198,6 +215,7 @@ def run(
         preemptions=engine.num_preemptions,
         queue_ran_dry=any(s.num_waiting == 0 for s in window),
         backend=engine.backend,
+        sharing=sharing_summary(engine.stats) if policy == "paged" else None,
     )
 
 
@@ -255,7 +273,7 @@ def hf_generate_tokens_per_s(model: LlamaModel, prompts: list[list[int]], new_to
 
 
 def engine_tokens_per_s(
-    model, prompts, new_tokens: int, policy: str, max_model_len: int, kv_slots: int
+    model, prompts, new_tokens: int, policy: str, max_model_len: int, kv_slots: int, prefix_caching=False
 ) -> float:
     engine = LLMEngine(
         model,
@@ -264,6 +282,8 @@ def engine_tokens_per_s(
         max_model_len=max_model_len,
         policy=policy,
         max_num_seqs=1024,
+        enable_prefix_caching=prefix_caching and policy == "paged",
+        **ENGINE_OPTIONS,
     )
     engine.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm
     with Timer(model.device) as t:
@@ -373,7 +393,20 @@ def main() -> None:
         default=None,
         help="tokens/s against transformers' generate (default: on with CUDA, off on CPU)",
     )
+    ap.add_argument("--prefix-caching", action="store_true", help="paged runs with enable_prefix_caching")
+    ap.add_argument("--chunked-prefill", action="store_true", help="every run with enable_chunked_prefill")
+    ap.add_argument("--max-num-batched-tokens", type=int, metavar="N", help="tokens per step (the budget)")
+    ap.add_argument(
+        "--system-prompt",
+        type=int,
+        default=0,
+        metavar="N",
+        help="start every prompt with the same N-token system prompt (full-size tokens, divided by --scale)",
+    )
     args = ap.parse_args()
+    ENGINE_OPTIONS.update(
+        enable_chunked_prefill=args.chunked_prefill, max_num_batched_tokens=args.max_num_batched_tokens
+    )
     scale = args.scale or (4 if args.device == "cpu" else 1)
     steps = args.steps or (1000 if args.device == "cuda" else 500)
     warmup = steps // 5
@@ -389,13 +422,18 @@ def main() -> None:
         f"model: {n_params / 1e6:.1f}M parameters, {dtype}, {args.device}; scale 1/{scale}: max_model_len "
         f"{max_len}, KV budget {kv_slots} slots, block size {block}; {steps} steps per run, first {warmup} "
         "not averaged"
+        + (", prefix caching on" if args.prefix_caching else "")
+        + (", chunked prefill on" if args.chunked_prefill else "")
+        + (f", {args.max_num_batched_tokens} tokens per step" if args.max_num_batched_tokens else "")
+        + (f", shared system prompt of {args.system_prompt // scale} tokens" if args.system_prompt else "")
     )
 
     def runs(configs, title):
         out = []
         for w, policy, m, b, s in tqdm(configs, desc=title):
             # enough requests that the queue never runs dry (Alpaca's are short: many finish per step)
-            reqs = workload(w, 3000 if w == "sharegpt" else 12000, m, scale, shape["vocab_size"])
+            n = 3000 if w == "sharegpt" else 12000
+            reqs = workload(w, n, m, scale, shape["vocab_size"], system=args.system_prompt // scale)
             r = run(
                 model,
                 reqs,
@@ -406,9 +444,17 @@ def main() -> None:
                 steps=s,
                 warmup=s // 5,
                 label=f"{w} {policy}",
+                prefix_caching=args.prefix_caching,
             )
             r.workload = w
             out.append(r)
+            if r.sharing and (args.prefix_caching or args.system_prompt):
+                sh = r.sharing
+                tqdm.write(
+                    f"  {w} paged: prefix-cache hit rate {sh['token_hit_rate']:.1%} of prompt tokens, "
+                    f"{sh['prefill_tokens']} prompt tokens computed, {sh['cached_tokens']} found cached, "
+                    f"{r.tokens_per_s:.0f} tok/s"
+                )
         return out
 
     main_runs = runs(
@@ -449,12 +495,12 @@ def main() -> None:
         )
         print_table(by_block, f"Sweep over block size (ShareGPT, paged; block sizes at 1/{scale} scale)")
     if args.hf if args.hf is not None else on_gpu:
-        compare_with_transformers(model, new=128 if on_gpu else 16)
+        compare_with_transformers(model, new=128 if on_gpu else 16, prefix_caching=args.prefix_caching)
     if args.plot:
         plot(main_runs, by_len, by_block, args.plot)
 
 
-def compare_with_transformers(model: LlamaModel, new: int) -> None:
+def compare_with_transformers(model: LlamaModel, new: int, prefix_caching: bool = False) -> None:
     """Tokens/s of the engine (static, paged) and of transformers' generate on the same 64 prompts."""
     reqs = workload("sharegpt", 64, 1024, 1, model.config.vocab_size, seed=1)
     prompts = [p for p, _ in reqs]
@@ -468,10 +514,10 @@ def compare_with_transformers(model: LlamaModel, new: int) -> None:
             model, prompts, new, "static", 2048, 15360
         ),
         "vllmini paged (15,360 slots)": lambda: engine_tokens_per_s(
-            model, prompts, new, "paged", 2048, 15360
+            model, prompts, new, "paged", 2048, 15360, prefix_caching
         ),
         "vllmini paged (pool for all 64 at 2048)": lambda: engine_tokens_per_s(
-            model, prompts, new, "paged", 2048, 64 * 2048
+            model, prompts, new, "paged", 2048, 64 * 2048, prefix_caching
         ),
     }
     for name, fn in tqdm(cases.items(), desc="tokens/s"):

@@ -432,11 +432,11 @@ def test_engine_config_from_keywords_config_or_both(model):
             "max_num_batched_tokens=32",
         ),
         (
-            dict(enable_prefix_caching=True),
+            dict(enable_prefix_caching=True, policy="static"),
             InvalidArgumentError,
-            "enable_prefix_caching=True is not implemented",
+            "enable_prefix_caching needs policy 'paged'",
         ),
-        (dict(enable_chunked_prefill=True), InvalidArgumentError, "enable_chunked_prefill=True is not impl"),
+        (dict(enable_chunked_prefill=1), InvalidTypeError, "enable_chunked_prefill must be a bool"),
         (dict(use_cuda_graphs=True), InvalidArgumentError, "use_cuda_graphs=True is not implemented"),
         (dict(use_cuda_graphs=1), InvalidTypeError, "use_cuda_graphs must be a bool"),
         (dict(blocksize=4), InvalidTypeError, "unknown engine option.*blocksize"),
@@ -553,15 +553,17 @@ def test_ctrl_c_while_sampling_restores_the_generators(model, prompts, clean_run
 
     engine, calls = _small_engine(model), {}
 
-    def interrupted_sample(logits, params, generator):
+    draw = engine_module._draw  # the per-request part of sampling: one draw from the request's generator
+
+    def interrupted_sample(probs, params, generator):
         step = len(engine.stats)
         calls[step] = calls.get(step, 0) + 1
-        token = sample(logits, params, generator)
+        token = draw(probs, params, generator)
         if calls[step] == 2:  # the second sampled sequence of each step, once
             raise KeyboardInterrupt
         return token
 
-    monkeypatch.setattr(engine_module, "sample", interrupted_sample)
+    monkeypatch.setattr(engine_module, "_draw", interrupted_sample)
     outputs, failures = _run(engine, _requests(prompts), errors=(KeyboardInterrupt,))
     assert failures > 3
     assert _summary(engine, outputs) == clean_run
@@ -631,12 +633,14 @@ def test_a_sampling_failure_finishes_only_that_request(model, prompts, clean_run
     requests = _requests(prompts)
     bad = requests[3][1]  # a sampled request
 
-    def failing_sample(logits, params, generator):
+    draw = engine_module._draw
+
+    def failing_sample(probs, params, generator):
         if params is bad:
             raise RuntimeError("probability tensor contains either inf, nan or element < 0")
-        return sample(logits, params, generator)
+        return draw(probs, params, generator)
 
-    monkeypatch.setattr(engine_module, "sample", failing_sample)
+    monkeypatch.setattr(engine_module, "_draw", failing_sample)
     engine = _small_engine(model)
     outputs, failures = _run(engine, requests)
     assert failures == 0

@@ -37,6 +37,8 @@ _EXPORTS = {
     "SamplingParams": "engine",
     "EngineConfig": "engine",
     "RequestOutput": "engine",
+    "CompletionOutput": "engine",
+    "Logprob": "engine",
     "LLMEngine": "engine",
 }
 _SUBMODULES = set(

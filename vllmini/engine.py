@@ -14,6 +14,22 @@ sampling) rolls it back: allocations, appends and preemptions undone, random gen
 next `step()` does the same work again and the outputs equal an uninterrupted run. Ctrl-C during the
 commit (appending tokens, finishing requests) waits until the commit is done. A request whose sampling
 fails finishes alone with finish_reason "error"; `abort_request` stops one request.
+
+Sharing pages (vllmini.scheduler says how): `SamplingParams(n=...)` returns n samples of one prompt in one
+`RequestOutput`, whose prompt pages they share until each copies the block it writes into (copy-on-write;
+a step's copies are one indexed copy per cache tensor, before its forward). `enable_prefix_caching`
+lets requests reuse the cached K/V of a prompt prefix computed before. `sharing_summary(engine.stats)`
+sums up what sharing saved over a run.
+
+`enable_chunked_prefill` caps every step at max_num_batched_tokens: running decodes go first, prompts
+take the rest in chunks, so a long prompt no longer stalls them (a chunk that stops before the prompt's
+end samples nothing; a failed step undoes its chunks too).
+
+Sampling the batch: greedy rows share one argmax; sampled rows go through temperature, top-k and top-p
+together as tensor ops; only the multinomial draw is one call per request, from its own generator.
+SamplingParams also takes stop strings (`stop`, with a tokenizer), per-token `logprobs` and an
+`output_kind` for streaming: "cumulative" or "delta" requests come back from every step that gave them
+tokens, with RequestOutput.finished False until the last.
 """
 
 from __future__ import annotations
@@ -32,9 +48,11 @@ from vllmini.checks import as_float, as_int, cdiv, one_of
 from vllmini.errors import EngineStateError, InvalidArgumentError, InvalidTypeError
 from vllmini.kv_cache import PagedKVCache
 from vllmini.model import LlamaModel
-from vllmini.scheduler import Scheduler, Sequence, check_policy
+from vllmini.scheduler import Scheduler, Sequence, SequenceStatus, check_policy
 
 GREEDY_BELOW = 1e-5  # temperatures below this count as 0 (greedy): dividing by them overflows (as vLLM)
+STOP_WINDOW = 8  # tokens decoded beyond a stop string's length to look for it (tokens may decode to "")
+OUTPUT_KINDS = ("final_only", "cumulative", "delta")  # what step() returns of a request (vLLM's names)
 
 
 def _as_bool(value, name: str) -> bool:
@@ -72,8 +90,21 @@ class SamplingParams:
 
     A temperature below 1e-5 also means greedy (dividing the logits by it would overflow).
     seed None: the engine derives one from its own seed and the request number, so runs repeat.
+    n: samples of the prompt (parallel sampling), returned together. Sample 0 draws from a generator
+    seeded with the request's seed, sample i > 0 from one seeded with `sample_seed(seed, i)` =
+    random.Random(f"{seed}:{i}").getrandbits(63), so sample 0 equals the n=1 result and the others are
+    unrelated streams. At temperature 0 all n samples are identical.
     The request stops at max_tokens ("length"), or at an id of stop_token_ids or the model's EOS
     ("stop"; the stop token is kept in output_token_ids). ignore_eos=True generates past EOS.
+    stop: strings that end the request when its text contains one ("stop"; needs a tokenizer): the text
+    is cut before the stop string, the token ids that made it are kept (as vLLM).
+    logprobs=k: for every generated token its log-probability and those of the k most likely tokens
+    (k=0: only its own), float32 log_softmax of the model's logits the token was drawn from (before
+    temperature, top-k and top-p, as vLLM's default "raw" logprobs).
+    output_kind: what `LLMEngine.step()` returns of this request: "final_only" (default) the finished
+    request once; "cumulative" also, after every step that added tokens, everything so far
+    (RequestOutput.finished False); "delta" only what is new since the last output. `generate` always
+    returns final outputs.
     """
 
     max_tokens: int = 16
@@ -83,9 +114,14 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    n: int = 1
+    stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None
+    output_kind: str = "final_only"
 
     def __post_init__(self):
         self.max_tokens = as_int(self.max_tokens, "max_tokens", min=1)
+        self.n = as_int(self.n, "n (samples per prompt)", min=1)
         self.temperature = as_float(self.temperature, "temperature (0 = greedy)", min=0.0)
         if self.top_k is not None:
             self.top_k = as_int(self.top_k, "top_k (None = off)", min=1)
@@ -98,23 +134,65 @@ class SamplingParams:
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidArgumentError(f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
         self.ignore_eos = _as_bool(self.ignore_eos, "ignore_eos")
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) and x for x in stop):
+            raise InvalidTypeError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        self.stop = list(stop)
+        if self.logprobs is not None:
+            self.logprobs = as_int(self.logprobs, "logprobs (top alternatives per token)", min=0)
+        one_of(self.output_kind, "output_kind", OUTPUT_KINDS)
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
 
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a request seeded `seed` (sample 0 keeps the request's own)."""
+    return seed if index == 0 else random.Random(f"{seed}:{index}").getrandbits(63)
+
+
+@dataclass
+class Logprob:
+    """The log-probability of one token and its rank among all (1 = most likely), as vLLM's."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None  # its text, with a tokenizer
+
+
+@dataclass
+class CompletionOutput:
+    """One of a request's n samples (vLLM's name). finish_reason as RequestOutput's (None while it
+    runs). logprobs (SamplingParams.logprobs): per token, {token id: Logprob} for the token drawn and
+    the top alternatives. stop_reason: the stop token id or stop string that ended it (None for EOS)."""
+
+    index: int
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None
+    error: str | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    stop_reason: int | str | None = None
+
+
 @dataclass
 class RequestOutput:
-    """A finished request. text is None without a tokenizer. finish_reason: "length", "stop", "abort"
-    (abort_request), or "error" (its sampling failed; `error` says how)."""
+    """A request's output. text is None without a tokenizer. finish_reason: "length", "stop", "abort"
+    (abort_request), or "error" (its sampling failed; `error` says how). `outputs` holds all n samples
+    (SamplingParams.n); the flat fields are those of the first, so n=1 code reads them directly.
+    finished is False for what streaming requests (SamplingParams.output_kind) return while they run;
+    with output_kind "delta" the tokens, text and logprobs are those new since the last output."""
 
     request_id: int
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     text: str | None
-    finish_reason: str
+    finish_reason: str | None
     error: str | None = None
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = True
+    logprobs: list[dict[int, Logprob]] | None = None
 
 
 @dataclass
@@ -134,6 +212,23 @@ class StepStats:
     num_generated: int
     num_finished: int
     seconds: float  # forward + sampling (wall clock)
+    # sharing pages: used_blocks are physical; without sharing the same sequences would hold
+    # logical_blocks. cached_blocks: free blocks that still hold a cached prefix (part of free_blocks)
+    logical_blocks: int = 0
+    shared_blocks: int = 0  # physical blocks held by more than one sequence
+    cached_blocks: int = 0
+    num_copies: int = 0  # copy-on-write block copies made before this step's forward
+    num_prefill_tokens: int = 0  # prompt tokens computed (not found cached or shared)
+    num_lookup_tokens: int = 0  # prefix caching: tokens of the requests admitted in this step ...
+    num_hit_tokens: int = 0  # ... found in the cache
+    num_lookup_blocks: int = 0
+    num_hit_blocks: int = 0
+
+    @property
+    def memory_saved(self) -> float:
+        """Share of the KV blocks sharing saves: 1 - used / (used without sharing), as the
+        PagedAttention paper measures it (Kwon et al., SOSP 2023, Fig. 15)."""
+        return 1.0 - self.used_blocks / self.logical_blocks if self.logical_blocks else 0.0
 
     @property
     def batch_size(self) -> int:
@@ -151,6 +246,24 @@ class StepStats:
         return self.num_tokens / self.pool_slots
 
 
+def sharing_summary(stats: list[StepStats]) -> dict:
+    """What sharing saved over a run: memory saved (blocks in use with sharing vs without, summed over
+    steps), prefix-cache hit rates (tokens and blocks), prompt tokens computed and found cached,
+    copy-on-write copies, and the most blocks shared at once."""
+    total = lambda name: sum(getattr(s, name) for s in stats)  # noqa: E731
+    used, logical = total("used_blocks"), total("logical_blocks")
+    lookup_t, lookup_b = total("num_lookup_tokens"), total("num_lookup_blocks")
+    return {
+        "memory_saved": 1.0 - used / logical if logical else 0.0,
+        "token_hit_rate": total("num_hit_tokens") / lookup_t if lookup_t else 0.0,
+        "block_hit_rate": total("num_hit_blocks") / lookup_b if lookup_b else 0.0,
+        "prefill_tokens": total("num_prefill_tokens"),
+        "cached_tokens": total("num_hit_tokens"),
+        "copies": total("num_copies"),
+        "max_shared_blocks": max((s.shared_blocks for s in stats), default=0),
+    }
+
+
 @dataclass
 class EngineConfig:
     """Every engine option, checked once, in one place (as nano-vllm's `Config`).
@@ -165,14 +278,17 @@ class EngineConfig:
     backend:                decode attention: "auto", "torch", "cupy" or "emulator" (vllmini.attention).
     policy:                 "paged", "static" or "oracle" (vllmini.scheduler).
     watermark:              share of the pool new requests must leave free, so running ones can grow.
-    max_num_seqs:           the most sequences in one batch.
-    max_num_batched_tokens: the most tokens in one forward; None = max(max_model_len, 2048). Must be
-                            >= max_model_len: a prompt is prefilled in one forward.
+    max_num_seqs:           the most sequences in one batch (a request with n samples counts n).
+    max_num_batched_tokens: the most tokens in one forward; None = max(max_model_len, 2048). Without
+                            chunked prefill it must be >= max_model_len (a prompt is prefilled in one
+                            forward); with it, anything >= 1.
     seed:                   derives the seed of every request that has none.
-    enable_prefix_caching:  share the KV blocks of a common prompt prefix between requests.
-    enable_chunked_prefill: split long prompts over several steps, mixed with decodes.
-    use_cuda_graphs:        capture decode steps as CUDA graphs.
-    The last three are not implemented yet: True raises InvalidArgumentError.
+    enable_prefix_caching:  reuse the KV blocks of a prompt prefix computed before (policy "paged" only).
+    enable_chunked_prefill: split prompts over several steps so a step never exceeds
+                            max_num_batched_tokens: running decodes go first, prefills take chunks of
+                            what is left (vLLM's chunked prefill; Agrawal et al., Sarathi, 2023).
+    use_cuda_graphs:        capture decode steps as CUDA graphs (not implemented yet: True raises
+                            InvalidArgumentError).
     """
 
     block_size: int = 16
@@ -219,18 +335,22 @@ class EngineConfig:
             )
         self.max_num_seqs = as_int(self.max_num_seqs, "max_num_seqs", min=1)
         self.seed = as_int(self.seed, "seed")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "use_cuda_graphs"):
-            if _as_bool(getattr(self, name), name):
-                raise InvalidArgumentError(f"{name}=True is not implemented yet")
+        self.enable_prefix_caching = _as_bool(self.enable_prefix_caching, "enable_prefix_caching")
+        if self.enable_prefix_caching and self.policy != "paged":
+            raise InvalidArgumentError(f"enable_prefix_caching needs policy 'paged', got {self.policy!r}")
+        self.enable_chunked_prefill = _as_bool(self.enable_chunked_prefill, "enable_chunked_prefill")
+        if _as_bool(self.use_cuda_graphs, "use_cuda_graphs"):
+            raise InvalidArgumentError("use_cuda_graphs=True is not implemented yet")
         if self.max_model_len is not None:
             self.check_batched_tokens(self.max_model_len)
 
     def check_batched_tokens(self, max_model_len: int) -> None:
-        """max_num_batched_tokens must hold a whole prompt of max_model_len (no chunked prefill)."""
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < max_model_len:
+        """Without chunked prefill, max_num_batched_tokens must hold a whole prompt of max_model_len."""
+        batched = self.max_num_batched_tokens
+        if not self.enable_chunked_prefill and batched is not None and batched < max_model_len:
             raise InvalidArgumentError(
-                f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than max_model_len="
-                f"{max_model_len}: a whole prompt must fit in one forward (no chunked prefill yet)"
+                f"max_num_batched_tokens={batched} is smaller than max_model_len={max_model_len}: a "
+                f"whole prompt must fit in one forward (or set enable_chunked_prefill=True)"
             )
 
 
@@ -249,20 +369,87 @@ def _make_config(config: EngineConfig | None, kwargs: dict) -> EngineConfig:
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     """One token id from logits (vocab,) under `params`, drawing only from `generator`."""
-    if params.is_greedy:
-        return int(logits.argmax())
-    logits = logits.float() / params.temperature  # (V,)
-    if params.top_k is not None and params.top_k < logits.numel():
-        top = logits.topk(params.top_k)  # keep exactly the k largest
-        logits = torch.full_like(logits, float("-inf")).scatter(0, top.indices, top.values)
-    if params.top_p < 1.0:
-        sorted_logits, order = logits.sort(descending=True)
-        probs = sorted_logits.softmax(-1)
-        # drop a token when the ones ranked above it already reach top_p (the first always stays)
-        drop = probs.cumsum(-1) - probs >= params.top_p
-        logits = logits.scatter(0, order[drop], float("-inf"))
-    probs = logits.softmax(-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    [token] = sample_batch(logits[None], [0], [params], [generator])
+    if isinstance(token, Exception):
+        raise token
+    return token
+
+
+def sample_batch(
+    logits: torch.Tensor, rows: list[int], params: list[SamplingParams], generators: list[torch.Generator]
+) -> list[int | Exception]:
+    """One token per entry: from logits[rows[j]] (logits: (S, V)) under params[j], drawing only from
+    generators[j]; an entry whose draw fails gets the exception instead (it fails alone).
+
+    Greedy entries share one argmax. Sampled ones go through temperature, top-k and top-p together, as
+    tensor ops over all of them; only the multinomial draw stays one call per entry, since each draws
+    from its own generator (one batched draw would mix their streams). The ops work row by row, so an
+    entry's token does not depend on the others in the batch."""
+    tokens: list[int | Exception] = [0] * len(rows)
+    greedy = [j for j, p in enumerate(params) if p.is_greedy]
+    if greedy:
+        best = logits.argmax(-1).tolist()  # (S,): one host sync for all greedy rows
+        for j in greedy:
+            tokens[j] = best[rows[j]]
+    sampled = [j for j, p in enumerate(params) if not p.is_greedy]
+    if not sampled:
+        return tokens
+    x = logits[[rows[j] for j in sampled]].float()  # (R, V)
+    vocab = x.shape[1]
+    temps = torch.tensor([params[j].temperature for j in sampled], device=x.device)  # (R,)
+    x = x / temps[:, None]
+    ks = [min(params[j].top_k or vocab, vocab) for j in sampled]
+    ps = [params[j].top_p for j in sampled]
+    if min(ks) < vocab or min(ps) < 1.0:  # (decided on the host: no device sync)
+        # the K most likely, in order (K: the largest top_k; a full sort when some row has none)
+        kmax = max(ks)
+        values, order = x.topk(kmax, -1) if kmax < vocab else x.sort(-1, descending=True)  # (R, K)
+        rank = torch.arange(kmax, device=x.device)[None, :]  # (1, K)
+        drop = rank >= torch.tensor(ks, device=x.device)[:, None]  # (R, K): past each row's top k
+        if min(ps) < 1.0:
+            top_p = torch.tensor(ps, device=x.device)[:, None]  # (R, 1)
+            probs = values.masked_fill(drop, float("-inf")).softmax(-1)  # (R, K): the top k renormalized
+            # drop a token when the ones ranked above it already reach top_p (the first always stays)
+            drop |= (probs.cumsum(-1) - probs >= top_p) & (top_p < 1.0)
+        kept = values.masked_fill(drop, float("-inf"))  # (R, K)
+        x = torch.full_like(x, float("-inf")).scatter(1, order, kept)  # (R, V): the rest never drawn
+    probs = x.softmax(-1)  # (R, V)
+    drawn = {}
+    for r, j in enumerate(sampled):
+        try:
+            drawn[j] = _draw(probs[r], params[j], generators[j])  # (1,) on the device
+        except Exception as e:  # this entry fails alone; Ctrl-C rolls the whole step back
+            tokens[j] = e
+    if drawn:  # one host sync for all draws
+        for j, t in zip(drawn, torch.cat(list(drawn.values())).tolist(), strict=True):
+            tokens[j] = t
+    return tokens
+
+
+def _draw(probs: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
+    """One token id, (1,), from the distribution probs (V,), drawn from `generator` (the per-request
+    part of sampling)."""
+    return torch.multinomial(probs, 1, generator=generator)
+
+
+def token_logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int], ks: list[int]) -> list[dict]:
+    """For each j: {token id: (logprob, rank)} of tokens[j] and the ks[j] most likely tokens of
+    logits[rows[j]] (logits: (S, V)); float32 log_softmax, one host transfer for all."""
+    lp = logits[rows].float().log_softmax(-1)  # (R, V)
+    chosen = torch.tensor(tokens, device=lp.device)[:, None]  # (R, 1)
+    chosen_lp = lp.gather(1, chosen)  # (R, 1)
+    ranks = (lp > chosen_lp).sum(-1) + 1  # (R,): 1 + tokens strictly more likely
+    kmax = max(ks)
+    top = lp.topk(kmax, -1) if kmax else None  # (R, kmax), sorted: rank i + 1
+    chosen_lp, ranks = chosen_lp[:, 0].tolist(), ranks.tolist()
+    top_lp, top_ids = (top.values.tolist(), top.indices.tolist()) if top is not None else ([], [])
+    out = []
+    for j, (token, k) in enumerate(zip(tokens, ks, strict=True)):
+        entry = {token: (chosen_lp[j], ranks[j])}
+        for i in range(k):
+            entry.setdefault(top_ids[j][i], (top_lp[j][i], i + 1))
+        out.append(entry)
+    return out
 
 
 class _DeferSigint:
@@ -329,13 +516,15 @@ class LLMEngine:
             watermark=config.watermark,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=batched,
+            enable_prefix_caching=config.enable_prefix_caching,
+            enable_chunked_prefill=config.enable_chunked_prefill,
         )
         self.backend = self._resolve_backend(config.backend)  # "torch", "cupy" or "emulator"
         self.tokenizer, self.eos_token_ids = model.tokenizer, set(model.eos_token_ids)
         self.stats: list[StepStats] = []
         self.num_forwards = 0  # forwards of committed steps (one per step)
         self._next_id = 0
-        self._ready: list[RequestOutput] = []  # finished but not yet returned by step()
+        self._ready: list[RequestOutput] = []  # finished (or streamed) but not yet returned by step()
 
     @classmethod
     def from_pretrained(
@@ -425,29 +614,51 @@ class LLMEngine:
             raise InvalidArgumentError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
         return ids
 
-    def _new_sequence(self, prompt, params: SamplingParams | None, rid: int) -> Sequence:
-        """A checked, tokenized request that fits the engine; nothing is queued yet."""
+    def _new_request(self, prompt, params: SamplingParams | None, rid: int) -> list[Sequence]:
+        """A checked, tokenized request (its n samples) that fits the engine; nothing is queued yet."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidTypeError(
                 f"params must be a SamplingParams, got {type(params).__name__} {params!r}"
                 + (": use SamplingParams(**params)" if isinstance(params, dict) else "")
             )
+        if params.stop and self.tokenizer is None:
+            raise InvalidArgumentError(
+                f"SamplingParams(stop={params.stop!r}) needs a tokenizer to see the text (tokenizer.json "
+                f"in the checkpoint); without one, stop on token ids: stop_token_ids=[...]"
+            )
+        vocab = self.model.config.vocab_size
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise InvalidArgumentError(
+                f"logprobs must be <= the vocabulary size {vocab}, got {params.logprobs}"
+            )
         ids = self._encode(prompt)
         # no seed given: derive one from the engine's seed and the request number (string seeds are hashed
         # with SHA-512, so nearby numbers give unrelated streams)
         seed = params.seed if params.seed is not None else random.Random(f"{self.seed}:{rid}").getrandbits(63)
-        seq = Sequence(rid, ids, params.max_tokens, seed=seed, device=self.device, sampling_params=params)
-        self.scheduler.check_fits(seq)
-        return seq
+        seqs = [
+            Sequence(
+                rid if params.n == 1 else (rid, i),
+                ids,
+                params.max_tokens,
+                seed=sample_seed(seed, i),
+                device=self.device,
+                sampling_params=params,
+                request_id=rid,
+                index=i,
+            )
+            for i in range(params.n)
+        ]
+        self.scheduler.check_fits(seqs)
+        return seqs
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
         """Queue a request; returns its id. InvalidArgumentError (a ValueError) if it could never run
         (too long for max_model_len, or for the whole KV pool)."""
-        seq = self._new_sequence(prompt, params, self._next_id)
-        self.scheduler.add(seq)
+        seqs = self._new_request(prompt, params, self._next_id)
+        self.scheduler.add(seqs)
         self._next_id += 1
-        return seq.seq_id
+        return seqs[0].request_id
 
     def abort_request(self, request_id: int) -> bool:
         """Stop an unfinished request and free its blocks; its partial output comes back from the next
@@ -470,7 +681,11 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward over the whole batch, sample; returns requests that finished
-        (and those aborted since the last step). All-or-nothing: see the module docstring."""
+        (and those aborted since the last step), and of streaming requests (SamplingParams.output_kind
+        "cumulative" or "delta") their output so far, with finished=False. Requests with the default
+        output_kind "final_only" come back once, finished, as before streaming existed; code that
+        mixes in streaming requests should check `RequestOutput.finished`. All-or-nothing: see the
+        module docstring."""
         t0 = time.perf_counter()
         sched = self.scheduler
         with _DeferSigint() as sigint:
@@ -478,9 +693,11 @@ class LLMEngine:
             try:
                 out = sched.schedule()
                 usage = sched.usage()  # the KV memory during this step's forward
+                usage["num_tokens"] -= sched.unreached_slots(out)  # chunked prefill: not written yet
                 if out.is_empty and sched.has_unfinished():
                     raise self._no_progress_error()
-                tokens = self._forward_and_sample(out, saved) if not out.is_empty else []
+                copies = self._copy_on_write()
+                sampled = self._forward_and_sample(out, saved) if not out.is_empty else ([], [])
                 sigint.hold()
             except BaseException:
                 sigint.hold()
@@ -489,56 +706,84 @@ class LLMEngine:
                     seq.generator.set_state(state)
                 raise
             if not out.is_empty:
-                self._commit(out, tokens, usage, sched.num_preemptions - before, t0)
+                self._commit(out, sampled, usage, sched.num_preemptions - before, copies, t0)
         if sigint.interrupted:  # Ctrl-C during the commit: the results wait for the next step()
             raise KeyboardInterrupt
         ready, self._ready = self._ready, []
         return ready
 
     def _no_progress_error(self) -> EngineStateError:
-        head = self.scheduler.waiting[0].seq_id
+        """The request at the head of the queue cannot be admitted although nothing runs (its blocks
+        are held outside the scheduler): say which, and what it needs."""
+        assert self.scheduler.waiting and not self.scheduler.running, "running sequences always schedule"
+        head = self.scheduler.waiting[0].request_id
         return EngineStateError(
             f"no progress: {self.scheduler.stall_message()}; abort_request({head}) removes it"
         )
 
     @torch.inference_mode()
-    def _forward_and_sample(self, out, saved: list) -> list[int | Exception]:
-        """The batch's forward, then one token per sequence (or the exception its sampling raised).
-        Appends (sequence, generator state) to `saved` before a generator is used."""
+    def _copy_on_write(self) -> int:
+        """Make this step's copy-on-write copies (all blocks in one indexed copy per cache tensor)."""
+        pairs = self.scheduler.block_manager.take_pending_copies()
+        self.kv_cache.copy_blocks(pairs)
+        return len(pairs)
+
+    @torch.inference_mode()
+    def _forward_and_sample(self, out, saved: list) -> tuple[list, list]:
+        """The batch's forward, then one token per sequence that completes its tokens (or the exception
+        its sampling raised), and the logprobs of those that ask for them (else None). Appends
+        (sequence, generator state) to `saved` before a generator is used."""
         input_ids, positions, meta = self.scheduler.build_inputs(out, device=self.device)
         logits = self.model(input_ids, positions, self.kv_cache, meta, backend=self.backend)  # (S, V)
-        greedy = logits.argmax(-1).tolist()  # one host sync for all greedy rows
-        tokens: list[int | Exception] = []
-        for i, seq in enumerate(out.seqs):
-            if seq.sampling_params.is_greedy:
-                tokens.append(greedy[i])
-                continue
-            saved.append((seq, seq.generator.get_state()))
-            try:
-                tokens.append(sample(logits[i], seq.sampling_params, seq.generator))
-            except Exception as e:  # this request fails alone; Ctrl-C rolls the whole step back
-                tokens.append(e)
-        return tokens
+        samplers = out.samplers  # forked samples draw from their parent's row
+        if not samplers:  # only chunks of prompts ran
+            return [], []
+        seqs, rows = [s for s, _ in samplers], [i for _, i in samplers]
+        params = [s.sampling_params for s in seqs]
+        saved += [(s, s.generator.get_state()) for s, p in zip(seqs, params, strict=True) if not p.is_greedy]
+        tokens = sample_batch(logits, rows, params, [s.generator for s in seqs])
+        logprobs: list = [None] * len(seqs)
+        want = [j for j, p in enumerate(params) if p.logprobs is not None and isinstance(tokens[j], int)]
+        if want:
+            entries = token_logprobs(
+                logits, [rows[j] for j in want], [tokens[j] for j in want], [params[j].logprobs for j in want]
+            )
+            for j, entry in zip(want, entries, strict=True):
+                logprobs[j] = entry
+        return tokens, logprobs
 
-    def _commit(self, out, tokens: list, usage: dict, num_preemptions: int, t0: float) -> None:
+    def _commit(self, out, sampled: tuple, usage: dict, num_preemptions: int, copies: int, t0: float) -> None:
         """Append each sequence's token and retire the finished ones (Ctrl-C is held meanwhile)."""
         sched, finished = self.scheduler, 0
-        for seq, token in zip(out.seqs, tokens, strict=True):
-            p = seq.sampling_params
+        tokens, logprobs = sampled
+        for seq in out.partial_prefills:  # a chunk of its prompt: computed, nothing to sample yet
+            sched.mark_computed(seq, out.prefill_end(seq))
+        streamed = {}
+        for (seq, _), token, lp in zip(out.samplers, tokens, logprobs, strict=True):
+            sched.mark_computed(seq)  # its K/V are in the cache now (and findable, with prefix caching)
             error = None
             if isinstance(token, Exception):
                 reason, error = "error", f"sampling failed: {type(token).__name__}: {token}"
             else:
                 seq.output_token_ids.append(token)
-                if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-                    reason = "stop"
-                elif len(seq.output_token_ids) >= seq.max_tokens:
-                    reason = "length"
-                else:
+                if lp is not None:
+                    seq.output_logprobs.append(lp)
+                reason = self._finish_reason(seq, token)
+                if reason is None:
+                    if seq.sampling_params.output_kind != "final_only":
+                        streamed[seq.request_id] = seq
                     continue
+            seq.error = error
             sched.finish(seq, reason)
-            self._ready.append(self._output(seq, error))
+            if all(s.status is SequenceStatus.FINISHED for s in seq.group):
+                self._ready.append(self._output(seq))
+                streamed.pop(seq.request_id, None)
+            elif seq.sampling_params.output_kind != "final_only":
+                streamed[seq.request_id] = seq
             finished += 1
+        for seq in streamed.values():  # streaming requests still running: what they have so far
+            if any(s.status is not SequenceStatus.FINISHED for s in seq.group):
+                self._ready.append(self._output(seq))
         self.num_forwards += 1
         self.stats.append(
             StepStats(
@@ -550,16 +795,94 @@ class LLMEngine:
                 num_generated=sum(not isinstance(t, Exception) for t in tokens),
                 num_finished=finished,
                 seconds=time.perf_counter() - t0,
+                num_copies=copies,
+                num_prefill_tokens=out.num_prefill_tokens,
+                num_lookup_tokens=out.num_lookup_tokens,
+                num_hit_tokens=out.num_hit_tokens,
+                num_lookup_blocks=out.num_lookup_blocks,
+                num_hit_blocks=out.num_hit_blocks,
                 **usage,
             )
         )
 
-    def _output(self, seq: Sequence, error: str | None = None) -> RequestOutput:
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        """Why `seq` stops after appending `token` ("stop", "length"), or None. Sets its stop_reason,
+        and for a stop string where its text ends."""
+        p = seq.sampling_params
+        if token in p.stop_token_ids:
+            seq.stop_reason = token
+            return "stop"
+        if not p.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        if p.stop:
+            # a stop string not seen before ends in the new token: decoding the last few tokens finds it
+            # (the whole text is decoded once, when it is found, to cut it there)
+            tail = self._text(seq.output_token_ids[-(max(map(len, p.stop)) + STOP_WINDOW) :])
+            if any(x in tail for x in p.stop):
+                text = self._text(seq.output_token_ids)
+                found = [(i, x) for x in p.stop if (i := text.find(x)) >= 0]
+                if found:  # (a tail decoded alone may differ from the whole text at its start)
+                    seq.text_end, seq.stop_reason = min(found)
+                    return "stop"
+        if len(seq.output_token_ids) >= seq.max_tokens:
+            return "length"
+        return None
+
+    def _text(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _token_text(self, token_id: int) -> str | None:
+        return (
+            None if self.tokenizer is None else self.tokenizer.decode([token_id], skip_special_tokens=False)
+        )
+
+    def _completion(self, seq: Sequence) -> CompletionOutput:
+        """What to return of one sample: everything, or (output_kind "delta") what is new since the
+        last time. While it runs, text that may be the start of a stop string is held back."""
+        p, ids = seq.sampling_params, seq.output_token_ids
         text = None
         if self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            text = self._text(ids)[: seq.text_end]
+            if seq.status is not SequenceStatus.FINISHED:
+                hold = max(map(len, p.stop), default=1) - 1  # the start of a stop string
+                text = text[: len(text) - hold].rstrip("\ufffd")  # and half a multi-byte character
+        logprobs = None
+        if p.logprobs is not None:
+            logprobs = [
+                {t: Logprob(lp, rank, self._token_text(t)) for t, (lp, rank) in e.items()}
+                for e in seq.output_logprobs
+            ]
+        if p.output_kind == "delta":
+            num_tokens, num_chars = seq.num_streamed
+            seq.num_streamed = (len(ids), num_chars if text is None else len(text))
+            ids = ids[num_tokens:]
+            text = None if text is None else text[num_chars:]
+            logprobs = None if logprobs is None else logprobs[num_tokens:]
+        return CompletionOutput(
+            seq.index,
+            list(ids),
+            text,
+            seq.finish_reason,
+            seq.error,
+            logprobs,
+            seq.stop_reason,
+        )
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        """The RequestOutput of `seq`'s request: all its samples (finished, or so far while it streams)."""
+        finished = all(s.status is SequenceStatus.FINISHED for s in seq.group)
+        outputs = [self._completion(s) for s in sorted(seq.group, key=lambda s: s.index)]
+        first = outputs[0]
         return RequestOutput(
-            seq.seq_id, list(seq.prompt_token_ids), list(seq.output_token_ids), text, seq.finish_reason, error
+            seq.request_id,
+            list(seq.prompt_token_ids),
+            first.token_ids,
+            first.text,
+            first.finish_reason,
+            first.error,
+            outputs,
+            finished,
+            first.logprobs,
         )
 
     # -------------------------------------------------------------------------
@@ -591,7 +914,9 @@ class LLMEngine:
     ) -> list[RequestOutput]:
         """Run `prompts` (strings with a tokenizer, token-id lists, 1-D int tensors or arrays; or one of
         these alone) to completion, in prompt order. All requests are checked before any is queued; if
-        the run is interrupted (Ctrl-C) or fails, its requests are aborted and the engine stays usable."""
+        the run is interrupted (Ctrl-C) or fails, its requests are aborted and the engine stays usable.
+        Whole outputs only (SamplingParams.output_kind does not apply: stream with `step()`); the bar
+        shows requests done and prompt and output tokens/s."""
         if self.has_unfinished_requests():
             raise EngineStateError(
                 "generate() needs an idle engine; finish the requests already added with step() "
@@ -604,12 +929,19 @@ class LLMEngine:
                 raise InvalidArgumentError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         else:
             params = [params] * len(prompts)
+        # generate returns finished requests only: streaming options do not apply
+        params = [
+            replace(p, output_kind="final_only")
+            if isinstance(p, SamplingParams) and p.output_kind != "final_only"
+            else p
+            for p in params
+        ]
         pairs = enumerate(zip(prompts, params, strict=True))
-        seqs = [self._new_sequence(x, p, self._next_id + i) for i, (x, p) in pairs]
-        for seq in seqs:  # every one was checked: none of these can fail
-            self.scheduler.add(seq)
-        self._next_id += len(seqs)
-        ids = [seq.seq_id for seq in seqs]
+        requests = [self._new_request(x, p, self._next_id + i) for i, (x, p) in pairs]
+        for seqs in requests:  # every one was checked: none of these can fail
+            self.scheduler.add(seqs)
+        self._next_id += len(requests)
+        ids = [seqs[0].request_id for seqs in requests]
         try:
             results = self._run_until_done(set(ids), use_tqdm)
         except BaseException:  # Ctrl-C or a failed step: drop this run's requests, keep the engine usable
@@ -621,17 +953,22 @@ class LLMEngine:
         return [results[i] for i in ids]
 
     def _run_until_done(self, wanted: set, use_tqdm: bool) -> dict[int, RequestOutput]:
+        """Step until every request in `wanted` finished; the bar shows requests done and tokens/s."""
         results: dict[int, RequestOutput] = {}
-        bar = None
+        bar, first, t0 = None, len(self.stats), time.perf_counter()
         if use_tqdm:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(wanted), desc="requests", unit="req")
         try:
             while wanted - results.keys():
-                done = self.step()
+                done = [o for o in self.step() if o.finished]
                 results.update((o.request_id, o) for o in done)
                 if bar is not None:
+                    seconds, steps = time.perf_counter() - t0, self.stats[first:]
+                    prompt = sum(s.num_prefill_tokens for s in steps) / seconds
+                    output = sum(s.num_generated for s in steps) / seconds
+                    bar.set_postfix_str(f"input {prompt:.0f} tok/s, output {output:.0f} tok/s", refresh=False)
                     bar.update(sum(o.request_id in wanted for o in done))
         finally:
             if bar is not None:

@@ -7,6 +7,22 @@ preempts the most recently admitted sequence *by recomputation*: its blocks are 
 to the head of the waiting queue with the tokens it has generated; when it is admitted again, its
 prompt + generated tokens are prefilled in one go. Requests are never lost or duplicated.
 
+Sharing pages. A request with n samples (parallel sampling) is a group of n sequences, admitted together
+only if the whole group fits (each counts against max_num_seqs) and preempted together. A fresh group
+prefills its prompt once: the first sample computes it, the others fork its page table (reference counts)
+and sample from the same logits; each copies the shared, partly filled last block before writing into
+it (copy-on-write, `BlockManager.take_pending_copies`). A group readmitted after preemption recomputes
+the first sample's tokens; the others share its whole blocks as far as their tokens agree and compute
+only the rest. With prefix caching, a sequence admitted starts on the longest cached prefix of its
+tokens. Either way a prefill computes tokens [num_computed_tokens, num_tokens): it may start at k > 0.
+
+Chunked prefill (enable_chunked_prefill): a step never holds more than max_num_batched_tokens tokens.
+Running decodes go first (one token each); then sequences still prefilling, oldest first, and then newly
+admitted ones each take a chunk [num_computed_tokens, end) of what is left. A request is admitted with
+blocks for all its tokens, so chunks never allocate or preempt; a prefill that starts at k > 0 is the same
+mechanism prefix caching uses. Samples that fork the first one wait for its last chunk, then sample from
+its logits; samples that share some of its blocks wait until it has computed them.
+
 A step can be undone: `snapshot()` before `schedule()` and `restore()` after a failed forward put back
 every allocation, append and preemption, so the next `schedule()` makes the same batch again. A sequence
 preempted in the failed step gets its blocks back, but the failed forward may have written other tokens
@@ -25,12 +41,13 @@ from __future__ import annotations
 import enum
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import islice
 
 import torch
 
 from vllmini.block_table import BlockManager
 from vllmini.checks import as_float, as_int, cdiv, one_of
-from vllmini.errors import EngineStateError, InvalidArgumentError
+from vllmini.errors import EngineStateError, InvalidArgumentError, InvalidTypeError
 from vllmini.model import AttentionMetadata
 
 POLICIES = ("paged", "static", "oracle")
@@ -59,17 +76,35 @@ class Sequence:
         seed: int,
         device: str | torch.device = "cpu",
         sampling_params=None,
+        request_id=None,
+        index: int = 0,
     ):
         if not prompt_token_ids:
             raise InvalidArgumentError("prompt_token_ids must hold at least one token, got an empty prompt")
         self.seq_id = seq_id
+        self.request_id = seq_id if request_id is None else request_id  # samples of one request share it
+        self.index = as_int(index, "index", min=0)  # which of the request's n samples
+        self.group: list[Sequence] = [self]  # the request's samples, set by Scheduler.add
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache (a prefill computes the rest)
+        # chunked prefill: the prefill is done once num_computed_tokens reaches prefill_target (its
+        # num_tokens when admitted); a sample that shares its first sample's pages waits for those
+        # (prefill_parent: the first sample, set at admission)
+        self.prefill_target = 0
+        self.prefill_parent: Sequence | None = None
+        self.block_hashes: list[bytes] = []  # hash chain of its full blocks (prefix caching)
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.max_tokens = as_int(max_tokens, "max_tokens", min=1)
         self.sampling_params = sampling_params  # the engine's SamplingParams; opaque here
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None  # "length" | "stop" | "abort" | "error" once finished
+        self.error: str | None = None  # why, when finish_reason is "error"
         self.num_preemptions = 0
+        # what the engine makes of its tokens (changed only when a step commits)
+        self.output_logprobs: list = []  # one entry per output token, when logprobs are asked for
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that finished it
+        self.text_end: int | None = None  # its text is cut here (before the stop string it produced)
+        self.num_streamed: tuple[int, int] = (0, 0)  # (tokens, characters) already streamed
         # its own generator: its samples do not depend on what else is in the batch, or on preemption
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
@@ -80,6 +115,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        """Admitted, but its prefill has not computed all its tokens yet (chunked prefill)."""
+        return self.num_computed_tokens < self.prefill_target
 
     @property
     def max_len(self) -> int:
@@ -101,10 +141,35 @@ class SchedulerOutput:
     decodes: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)  # sent back to waiting in this step
     slot_mapping: list[int] = field(default_factory=list)
+    forked: list[tuple[Sequence, Sequence]] = field(default_factory=list)  # (child, parent): same logits
+    num_lookup_tokens: int = 0  # prefix caching: tokens of the sequences admitted with a lookup
+    num_hit_tokens: int = 0  # ... of them found in the cache (not computed)
+    num_lookup_blocks: int = 0
+    num_hit_blocks: int = 0
+    num_prefill_tokens: int = 0  # prompt tokens computed in this step (not found cached or shared)
+    chunk_ends: dict = field(default_factory=dict)  # chunked prefill: seq_id -> end of its chunk
+
+    def prefill_end(self, seq: Sequence) -> int:
+        """Where this step's prefill of `seq` stops: num_tokens, or earlier for a chunk."""
+        return self.chunk_ends.get(seq.seq_id, seq.num_tokens)
+
+    @property
+    def partial_prefills(self) -> list[Sequence]:
+        """Prefills whose chunk stops before their last token: they compute K/V but sample nothing."""
+        return [s for s in self.prefills if self.prefill_end(s) < s.num_tokens]
 
     @property
     def seqs(self) -> list[Sequence]:
+        """The sequences in the forward, one logits row each."""
         return self.prefills + self.decodes
+
+    @property
+    def samplers(self) -> list[tuple[Sequence, int]]:
+        """Every sequence that gets a token this step, with its logits row (forked ones share a row)."""
+        rows = {id(s): i for i, s in enumerate(self.seqs)}
+        partial = {id(s) for s in self.partial_prefills}
+        own = [(s, i) for i, s in enumerate(self.seqs) if id(s) not in partial]
+        return own + [(c, rows[id(p)]) for c, p in self.forked]
 
     @property
     def is_empty(self) -> bool:
@@ -124,6 +189,8 @@ class Scheduler:
         watermark: float = 0.01,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int | None = None,
+        enable_prefix_caching: bool = False,
+        enable_chunked_prefill: bool = False,
     ):
         check_policy(policy)
         num_blocks = as_int(num_blocks, "num_blocks", min=1)
@@ -137,7 +204,9 @@ class Scheduler:
             max_num_batched_tokens = as_int(max_num_batched_tokens, "max_num_batched_tokens", min=1)
         # reservations never grow, so static policies need no headroom
         watermark_blocks = int(watermark * num_blocks) if policy == "paged" else 0
-        self.block_manager = BlockManager(num_blocks, block_size, watermark_blocks)
+        if enable_prefix_caching is not False and policy != "paged":
+            raise InvalidArgumentError(f"enable_prefix_caching needs policy 'paged', got {policy!r}")
+        self.block_manager = BlockManager(num_blocks, block_size, watermark_blocks, enable_prefix_caching)
         if policy == "static" and cdiv(max_model_len, block_size) > num_blocks:
             raise InvalidArgumentError(
                 f"policy 'static' reserves max_model_len={max_model_len} slots per request, but "
@@ -146,45 +215,82 @@ class Scheduler:
         self.policy, self.block_size, self.max_model_len = policy, block_size, max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens or max(max_model_len, 2048)
+        if not isinstance(enable_chunked_prefill, bool):
+            raise InvalidTypeError(
+                f"enable_chunked_prefill must be a bool, got {type(enable_chunked_prefill).__name__}"
+            )
+        self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last one is preempted first
         self.num_preemptions = 0
         self._live: dict = {}  # seq_id -> Sequence, waiting or running
+        self._requests: dict = {}  # request_id -> its group, while any sample is waiting or running
         self._stale: set = set()  # seq_ids whose cached KV a failed forward may have overwritten
 
     # -------------------------------------------------------------------------
     # requests in and out
 
-    def check_fits(self, seq: Sequence) -> None:
-        """InvalidArgumentError (a ValueError) if `seq` could never run, even alone with the whole pool."""
+    def check_fits(self, seqs: Sequence | list[Sequence]) -> None:
+        """InvalidArgumentError (a ValueError) if a request (one sequence, or the n samples of one prompt)
+        could never run, even alone with the whole pool."""
+        group = [seqs] if isinstance(seqs, Sequence) else list(seqs)
+        seq, n, bs = group[0], len(group), self.block_size
         if seq.max_len > self.max_model_len:
             raise InvalidArgumentError(
                 f"prompt ({len(seq.prompt_token_ids)} tokens) + max_tokens ({seq.max_tokens}) = "
                 f"{seq.max_len} exceeds max_model_len={self.max_model_len}"
             )
+        if n > self.max_num_seqs:
+            raise InvalidArgumentError(
+                f"a request with n={n} samples needs {n} sequences, but max_num_seqs={self.max_num_seqs}"
+            )
         bm = self.block_manager
         usable = bm.num_blocks - bm.watermark_blocks
-        # the last sampled token is never written to the cache: it holds at most max_len - 1 tokens
-        need = cdiv(self._reserve(seq) if self.policy != "paged" else seq.max_len - 1, self.block_size)
+        if self.policy == "paged":
+            # the last sampled token is never written to the cache: each holds at most max_len - 1 tokens;
+            # the prompt's full blocks are shared, every sample owns the rest
+            shared = len(seq.prompt_token_ids) // bs
+            need = shared + n * (cdiv(seq.max_len - 1, bs) - shared)
+        else:
+            need = n * cdiv(self._reserve(seq), bs)
         if need > usable:
+            what = "request" if n == 1 else f"request with n={n} samples"
             raise InvalidArgumentError(
-                f"request needs {need} blocks of {self.block_size} tokens, but the pool has "
+                f"{what} needs {need} blocks of {bs} tokens, but the pool has "
                 f"{bm.num_blocks} blocks ({bm.watermark_blocks} held back as watermark): "
                 f"it could never fit"
             )
 
-    def add(self, seq: Sequence) -> None:
-        """Queue a new request at the back. A seq_id already waiting or running is refused, as is a
-        sequence that already ran."""
-        if seq.seq_id in self._live:
+    def add(self, seqs: Sequence | list[Sequence]) -> None:
+        """Queue a new request at the back: one sequence, or the n samples of one prompt (a list, with
+        one request_id). A seq_id or request_id already waiting or running is refused, as is a sequence
+        that already ran."""
+        group = [seqs] if isinstance(seqs, Sequence) else list(seqs)
+        if not group or not all(isinstance(s, Sequence) for s in group):
+            raise InvalidArgumentError(f"add() takes a Sequence or a non-empty list of them, got {seqs!r}")
+        for seq in group:
+            if seq.seq_id in self._live:
+                raise InvalidArgumentError(
+                    f"seq_id {seq.seq_id!r} is already queued or running: {self._live[seq.seq_id]}"
+                )
+            if seq.status is not SequenceStatus.WAITING or seq.output_token_ids:
+                raise InvalidArgumentError(f"only a new sequence can be added, got {seq}")
+        rid = group[0].request_id
+        if rid in self._requests:
+            raise InvalidArgumentError(f"request_id {rid!r} is already queued or running")
+        if len({s.seq_id for s in group}) < len(group) or any(
+            s.request_id != rid or s.prompt_token_ids != group[0].prompt_token_ids for s in group
+        ):
             raise InvalidArgumentError(
-                f"seq_id {seq.seq_id!r} is already queued or running: {self._live[seq.seq_id]}"
+                "the samples of one request need distinct seq_ids, one request_id and one prompt, got "
+                f"{[(s.seq_id, s.request_id) for s in group]}"
             )
-        if seq.status is not SequenceStatus.WAITING or seq.output_token_ids:
-            raise InvalidArgumentError(f"only a new sequence can be added, got {seq}")
-        self.check_fits(seq)
-        self.waiting.append(seq)
-        self._live[seq.seq_id] = seq
+        self.check_fits(group)
+        for seq in group:
+            seq.group = group
+            self.waiting.append(seq)
+            self._live[seq.seq_id] = seq
+        self._requests[rid] = group
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """A running sequence is done: free its blocks."""
@@ -194,21 +300,24 @@ class Scheduler:
         self.block_manager.free(seq.seq_id)
         self._retire(seq, reason)
 
-    def abort(self, seq_id) -> Sequence | None:
-        """Stop a waiting or running sequence (between steps) and free its blocks; None if unknown."""
-        seq = self._live.get(seq_id)
-        if seq is None:
-            return None
-        if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
-            self.block_manager.free(seq_id)
-        else:
-            self.waiting.remove(seq)
-        self._retire(seq, "abort")
-        return seq
+    def abort(self, request_id) -> Sequence | None:
+        """Stop every waiting or running sample of a request (between steps) and free their blocks.
+        Returns its first sample (`.group` holds them all), or None if no sample was waiting or running."""
+        group = self._requests.get(request_id, [])
+        live = [s for s in group if self._live.get(s.seq_id) is s]
+        for seq in live:
+            if seq.status is SequenceStatus.RUNNING:
+                self.running.remove(seq)
+                self.block_manager.free(seq.seq_id)
+            else:
+                self.waiting.remove(seq)
+            self._retire(seq, "abort")
+        return group[0] if live else None
 
     def _retire(self, seq: Sequence, reason: str) -> None:
         del self._live[seq.seq_id]
+        if all(s.seq_id not in self._live for s in seq.group):
+            del self._requests[seq.request_id]
         self._stale.discard(seq.seq_id)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
 
@@ -224,7 +333,7 @@ class Scheduler:
         return (
             list(self.waiting),
             list(self.running),
-            [(s, s.status, s.num_preemptions) for s in seqs],
+            [(s, s.status, s.num_preemptions, s.num_computed_tokens) for s in seqs],
             self.num_preemptions,
             self.block_manager.snapshot(),
         )
@@ -234,8 +343,8 @@ class Scheduler:
         written into (those preempted in that step); they are recomputed unless preempted again."""
         waiting, running, seqs, num_preemptions, blocks = snapshot
         self.waiting, self.running = deque(waiting), list(running)
-        for seq, status, n in seqs:
-            seq.status, seq.num_preemptions = status, n
+        for seq, status, n, computed in seqs:
+            seq.status, seq.num_preemptions, seq.num_computed_tokens = status, n, computed
         self.num_preemptions = num_preemptions
         self.block_manager.restore(blocks)
         self._stale.update(s.seq_id for s in stale if s.status is SequenceStatus.RUNNING)
@@ -254,81 +363,216 @@ class Scheduler:
     def stall_message(self) -> str:
         """Why nothing can be scheduled although requests wait (for the engine's no-progress error)."""
         bm, head = self.block_manager, self.waiting[0]
-        need = cdiv(self._admit_tokens(head), self.block_size)
+        group = [s for s in head.group if s.status is SequenceStatus.WAITING]
+        need = self._plan_admission(group)[2]
+        samples = f", {len(group)} samples" if len(group) > 1 else ""
         return (
-            f"request {head.seq_id} ({head.num_tokens} tokens, {need} blocks) cannot be scheduled with "
-            f"nothing running: {bm.num_free_blocks} of {bm.num_blocks} blocks free, {bm.watermark_blocks} "
-            f"held back as watermark"
+            f"request {head.request_id} ({head.num_tokens} tokens{samples}, {need} blocks) cannot be "
+            f"scheduled with nothing running: {bm.num_free_blocks} of {bm.num_blocks} blocks free, "
+            f"{bm.watermark_blocks} held back as watermark"
         )
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.block_manager.free(seq.seq_id)
         self._stale.discard(seq.seq_id)
         seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(seq)
+
+    def _preempt_group(self, victim: Sequence, queue: list, kept: list, out: SchedulerOutput) -> None:
+        """Preempt `victim` and its running siblings (a group is recomputed together), wherever they are
+        in this step's decode pass: still queued, or already given a slot."""
+        for seq in victim.group:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # finished, or not admitted
+            if any(s is seq for s in queue):
+                queue.remove(seq)
+            if any(s is seq for s in kept):
+                kept.remove(seq)
+                out.decodes.remove(seq)
+            self._preempt(seq, out)
+
+    def _plan_admission(self, group: list[Sequence]) -> tuple[list, list, int, int]:
+        """How the waiting `group` would start: prefix-cache hits of its first sample, and for each other
+        sample None (it forks the first one: same tokens) or how many of the first one's blocks it
+        shares. Returns (hits, shares, blocks needed, tokens to compute)."""
+        bm, bs, first = self.block_manager, self.block_size, group[0]
+        if self.policy != "paged":  # static reservations: every sample reserves and computes its own
+            need = sum(cdiv(self._reserve(s), bs) for s in group)
+            return [], [0] * (len(group) - 1), need, sum(s.num_tokens for s in group)
+        hits = bm.cached_prefix(first.token_ids, first.block_hashes)
+        need = bm.blocks_needed(first.num_tokens, hits)
+        tokens = first.num_tokens - len(hits) * bs
+        shares = []
+        for seq in group[1:]:
+            if seq.token_ids == first.token_ids:
+                shares.append(None)
+                # it writes its first token into the shared last block, unless that one is full: a copy
+                need += int(seq.num_tokens % bs != 0)
+                continue
+            common = next(
+                (i for i, (a, b) in enumerate(zip(seq.token_ids, first.token_ids, strict=False)) if a != b),
+                min(seq.num_tokens, first.num_tokens),
+            )
+            k = min(common, seq.num_tokens - 1) // bs  # whole blocks; its last token is always computed
+            shares.append(k)
+            need += cdiv(seq.num_tokens, bs) - k
+            tokens += seq.num_tokens - k * bs
+        return hits, shares, need, tokens
+
+    def _admit(self, group: list[Sequence], hits: list, shares: list, out: SchedulerOutput) -> None:
+        bm, bs, first = self.block_manager, self.block_size, group[0]
+        bm.allocate(first.seq_id, self._admit_tokens(first), shared=hits)
+        first.num_computed_tokens = len(hits) * bs
+        out.prefills.append(first)
+        if bm.prefix_cache is not None:
+            out.num_lookup_tokens += first.num_tokens
+            out.num_hit_tokens += len(hits) * bs
+            out.num_lookup_blocks += cdiv(first.num_tokens, bs)
+            out.num_hit_blocks += len(hits)
+        blocks = bm.block_table(first.seq_id).block_ids
+        for seq, k in zip(group[1:], shares, strict=True):
+            if k is None:  # same tokens: share every block, sample from the first one's logits
+                bm.fork(first.seq_id, seq.seq_id)
+                seq.num_computed_tokens = first.num_computed_tokens
+                out.forked.append((seq, first))
+            else:
+                bm.allocate(seq.seq_id, self._admit_tokens(seq), shared=blocks[:k])
+                seq.num_computed_tokens = k * bs
+                out.prefills.append(seq)
+        for seq in group:
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            seq.prefill_target, seq.prefill_parent = seq.num_tokens, first if seq is not first else None
+            self.running.append(seq)
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's batch, allocating or reserving the slots its new tokens go to."""
         out = SchedulerOutput()
         bm = self.block_manager
-        # 1) every running sequence decodes one token (the one it sampled last step), oldest first
-        queue, kept = list(self.running), []
+        order = {id(s): i for i, s in enumerate(self.running)}  # admission order
+        # 1) every running sequence decodes one token (the one it sampled last step), oldest first;
+        # with chunked prefill, those still prefilling get their next chunk in 2)
+        running, queue, kept = self.running, list(self.running), []
         while queue:
             seq = queue.pop(0)
-            if seq.seq_id in self._stale:  # its cached KV may be overwritten: recompute it
-                self._preempt(seq, out)
+            if seq.seq_id in self._stale:  # its cached KV may be overwritten: recompute it (and its group)
+                self._preempt_group(seq, queue, kept, out)
+                continue
+            if self.enable_chunked_prefill and seq.is_prefilling:  # blocks allocated at admission
                 continue
             if self.policy == "paged":
                 while bm.block_table(seq.seq_id).num_new_blocks(1) > bm.num_free_blocks:
-                    victim = queue.pop() if queue else seq  # the most recently admitted one
-                    self._preempt(victim, out)
-                    if victim is seq:
+                    victim = queue[-1] if queue else seq  # the most recently admitted one
+                    self._preempt_group(victim, queue, kept, out)
+                    if seq.status is SequenceStatus.WAITING:
                         break
                 if seq.status is SequenceStatus.WAITING:
-                    break
+                    continue
                 bm.append(seq.seq_id, 1)
             kept.append(seq)
             out.decodes.append(seq)
-        self.running = kept
-        # preempted ones go back to the head of the queue, the oldest first
-        for seq in out.preempted:
+        self.running = [s for s in running if s.status is SequenceStatus.RUNNING]  # kept + prefilling
+        # preempted ones go back to the head of the queue, in admission order (groups stay together)
+        for seq in sorted(out.preempted, key=lambda s: order[id(s)], reverse=True):
             self.waiting.appendleft(seq)
 
-        # 2) admit waiting sequences (FCFS) while they fit; not after a preemption (it would thrash)
+        # 2) admit waiting requests (FCFS) while they fit; not after a preemption (it would thrash).
+        # With chunked prefill, first the running prefills, then the admitted ones take what the token
+        # budget has left, a chunk each
         budget = self.max_num_batched_tokens - len(out.decodes)
-        while self.waiting and not out.preempted and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            n = seq.num_tokens  # prompt + whatever it generated before a preemption
-            if out.prefills and n > budget:
+        chunked = self.enable_chunked_prefill
+        if chunked:
+            budget = self._schedule_chunks([s for s in self.running if s.is_prefilling], budget, out)
+        while self.waiting and not out.preempted:
+            head = self.waiting[0]
+            group = [s for s in head.group if s.status is SequenceStatus.WAITING]
+            assert list(islice(self.waiting, len(group))) == group, "a group waits together"
+            if len(self.running) + len(group) > self.max_num_seqs:
                 break
-            if not bm.can_allocate(self._admit_tokens(seq)):
+            hits, shares, need, tokens = self._plan_admission(group)
+            if (budget < 1) if chunked else (out.prefills and tokens > budget):
                 break
-            bm.allocate(seq.seq_id, self._admit_tokens(seq))
-            self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            out.prefills.append(seq)
-            budget -= n
+            if bm.num_free_blocks - need < bm.watermark_blocks:
+                break
+            if not chunked:
+                self._admit(group, hits, shares, out)
+                budget -= tokens
+                continue
+            num_prefills, num_forked = len(out.prefills), len(out.forked)
+            self._admit(group, hits, shares, out)
+            del out.prefills[num_prefills:], out.forked[num_forked:]  # the chunks decide what runs
+            budget = self._schedule_chunks(group, budget, out)
 
-        # 3) the slots of this step's new tokens: whole prompt for prefills, the last token for decodes
+        # 3) the slots of this step's new tokens: the uncomputed tokens of prefills, the last of decodes
         for seq in out.prefills:
-            out.slot_mapping += bm.slot_mapping(seq.seq_id, 0, seq.num_tokens)
+            end = out.prefill_end(seq)
+            out.slot_mapping += bm.slot_mapping(seq.seq_id, seq.num_computed_tokens, end)
+            out.num_prefill_tokens += end - seq.num_computed_tokens
         for seq in out.decodes:
             out.slot_mapping += bm.slot_mapping(seq.seq_id, seq.num_tokens - 1, seq.num_tokens)
         return out
+
+    def _schedule_chunks(self, seqs: list[Sequence], budget: int, out: SchedulerOutput) -> int:
+        """Chunked prefill: give each of `seqs` (admitted, still prefilling, oldest first) its next chunk
+        while `budget` tokens last; returns what is left. A sample that forks its first sample (same
+        tokens) computes nothing: it samples from the first's logits in the step its prefill completes.
+        One that shares the first's blocks reads them only once they are computed: the first comes
+        before it, and a chunk goes to a later sequence only when the earlier ones got all they need
+        (this step counts: a forward writes every K/V of a layer before any attention reads it)."""
+        for seq in seqs:
+            parent = seq.prefill_parent
+            parent_end = (
+                None if parent is None else out.chunk_ends.get(parent.seq_id, parent.num_computed_tokens)
+            )
+            if parent is not None and seq.token_ids == parent.token_ids:
+                if parent_end == parent.num_tokens and any(p is parent for p in out.prefills):
+                    out.forked.append((seq, parent))
+                continue
+            if budget < 1:
+                continue  # forks of a parent scheduled above still join
+            assert parent_end is None or parent_end >= seq.num_computed_tokens, "shared blocks computed"
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            out.prefills.append(seq)
+            out.chunk_ends[seq.seq_id] = seq.num_computed_tokens + n
+            budget -= n
+        return budget
+
+    def unreached_slots(self, out: SchedulerOutput) -> int:
+        """Chunked prefill: slots allocated for prompt tokens that no chunk has reached by the end of
+        this step (a forked sample's are its first sample's)."""
+        if not self.enable_chunked_prefill:
+            return 0
+        return sum(
+            s.prefill_target - out.chunk_ends.get(s.seq_id, s.num_computed_tokens)
+            for s in self.running
+            if s.is_prefilling
+            and not (s.prefill_parent is not None and s.token_ids == s.prefill_parent.token_ids)
+        )
+
+    def mark_computed(self, seq: Sequence, end: int | None = None) -> None:
+        """After a step committed: `seq`'s tokens up to `end` (default: all it holds in the cache) are
+        computed. With prefix caching, the blocks this completed are named by their hash, for later
+        requests to find."""
+        end = seq.num_tokens if end is None else end
+        start, seq.num_computed_tokens = seq.num_computed_tokens, end
+        bs = self.block_size
+        if self.block_manager.prefix_cache is not None and end // bs > start // bs:  # a block filled
+            self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.block_hashes, start, end)
 
     def build_inputs(
         self, out: SchedulerOutput, device=None
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """input_ids (num_tokens,), positions (num_tokens,) and the AttentionMetadata of a batch."""
         ids, pos, query_lens, seq_lens = [], [], [], []
-        for seq in out.prefills:
-            ids += seq.token_ids
-            pos += range(seq.num_tokens)
-            query_lens.append(seq.num_tokens)
-            seq_lens.append(seq.num_tokens)
+        for seq in out.prefills:  # tokens [num_computed_tokens, end): may start mid-sequence
+            start, end = seq.num_computed_tokens, out.prefill_end(seq)
+            ids += seq.token_ids[start:end]
+            pos += range(start, end)
+            query_lens.append(end - start)
+            seq_lens.append(end)
         for seq in out.decodes:
             ids.append(seq.token_ids[-1])
             pos.append(seq.num_tokens - 1)
@@ -348,18 +592,26 @@ class Scheduler:
         )
 
     def usage(self) -> dict:
-        """KV memory right now: slots holding real tokens vs allocated (reserved) vs in the pool.
+        """KV memory right now: slots holding real tokens vs allocated (reserved) vs in the pool, and
+        what sharing saves (see StepStats).
 
         O(sequences), for every step: BlockManager.utilization walks every block (it counts shared blocks
-        once; 7 ms a step at 16k blocks), and counts a static reservation as tokens."""
+        once; 7 ms a step at 16k blocks), and counts a static reservation as tokens. Only when blocks
+        are shared does it walk the tables, to count shared blocks and their tokens once."""
         bm = self.block_manager
         # a running sequence holds num_tokens - 1 tokens between steps, num_tokens during its forward
-        num_tokens = sum(s.num_tokens for s in self.running)
+        num_tokens, shared = sum(s.num_tokens for s in self.running), 0
         used = bm.num_blocks - bm.num_free_blocks
+        logical = sum(bm.block_table(s.seq_id).num_blocks for s in self.running)
+        if logical > used - len(bm._pinned):  # some physical block has several owners
+            num_tokens, shared = bm.utilization()["num_tokens"], bm.sharing()["shared_blocks"]
         return {
             "num_tokens": num_tokens,
             "allocated_slots": used * self.block_size,
             "pool_slots": bm.num_blocks * self.block_size,
             "used_blocks": used,
             "free_blocks": bm.num_free_blocks,
+            "logical_blocks": logical,
+            "shared_blocks": shared,
+            "cached_blocks": bm.num_cached_free_blocks,
         }
