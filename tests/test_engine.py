@@ -6,6 +6,8 @@ scaling); the reference decodes it greedily in float64, one prompt at a time, an
 between its top-2 logits at every step so that genuine ties (gap < 1e-4) are not counted as errors.
 """
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -820,3 +822,36 @@ def test_generate_tokenizes_each_prompt_once(model, monkeypatch):
     monkeypatch.setattr(engine, "_encode", lambda p: calls.append(p) or original(p))
     engine.generate([[5, 6], [7]], SamplingParams(max_tokens=2), use_tqdm=False)
     assert calls == [[5, 6], [7]]
+
+
+@pytest.mark.gpu
+def test_a_bad_block_id_seen_by_the_kernel_guard_fails_the_step_and_rolls_it_back(monkeypatch):
+    """On CUDA the decode kernels check page ids on the GPU (no host sync); the engine reads that record
+    once per step, before committing: the step raises InvalidBlockTableError and is undone."""
+    from vllmini.attention import check_kernel_errors
+    from vllmini.errors import InvalidBlockTableError
+
+    with contextlib.suppress(InvalidBlockTableError):  # a record left by an earlier test's guarded call
+        check_kernel_errors("cuda")
+    model = LlamaModel.from_pretrained(random_hf_model(), dtype=torch.float32, device="cuda")
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    clean = LLMEngine(model, block_size=4, num_blocks=32).generate([[5, 6, 7, 8, 9]], params, use_tqdm=False)
+    engine = LLMEngine(model, block_size=4, num_blocks=32)
+    rid = engine.add_request([5, 6, 7, 8, 9], params)
+    engine.step()  # the prefill
+    build = engine.scheduler.build_inputs
+
+    def corrupt(out, device=None):
+        input_ids, positions, meta = build(out, device=device)
+        meta.block_tables[0, 0] = 10**6  # a page far outside the pool
+        return input_ids, positions, meta
+
+    monkeypatch.setattr(engine.scheduler, "build_inputs", corrupt)
+    with pytest.raises(InvalidBlockTableError, match=r"block_tables\[0, 0\] = 1000000"):
+        engine.step()
+    monkeypatch.undo()
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in done] == [rid]
+    assert done[0].output_token_ids == clean[0].output_token_ids  # the failed step left no trace

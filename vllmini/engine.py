@@ -43,7 +43,7 @@ from dataclasses import dataclass, field, fields, replace
 import numpy as np
 import torch
 
-from vllmini.attention import BACKENDS
+from vllmini.attention import BACKENDS, check_kernel_errors
 from vllmini.checks import as_float, as_int, cdiv, one_of
 from vllmini.errors import EngineStateError, InvalidArgumentError, InvalidTypeError
 from vllmini.kv_cache import PagedKVCache
@@ -735,6 +735,8 @@ class LLMEngine:
         (sequence, generator state) to `saved` before a generator is used."""
         input_ids, positions, meta = self.scheduler.build_inputs(out, device=self.device)
         logits = self.model(input_ids, positions, self.kv_cache, meta, backend=self.backend)  # (S, V)
+        if self.device.type == "cuda":  # a bad page id seen by the kernels' in-kernel guard: fail the step
+            check_kernel_errors(self.device)  # (one small device->host copy; the step is rolled back)
         samplers = out.samplers  # forked samples draw from their parent's row
         if not samplers:  # only chunks of prompts ran
             return [], []
