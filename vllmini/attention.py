@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vllmini.checks import as_float
+from vllmini.checks import as_float, cdiv
 from vllmini.errors import InvalidArgumentError, InvalidBlockTableError, InvalidTypeError
 from vllmini.kv_cache import check_cache_pair
 
@@ -154,7 +154,7 @@ def _check_tables_host(bt: np.ndarray, lens: np.ndarray, num_blocks: int, block_
             f"seq_lens[{i}] = {int(lens[i])} is out of range: expected 1 .. max_num_blocks_per_seq "
             f"* block_size = {max_blocks} * {block_size} = {max_len}"
         )
-    num_used = (lens + block_size - 1) // block_size  # (S,) blocks each sequence reads, >= 1
+    num_used = cdiv(lens, block_size)  # (S,) blocks each sequence reads, >= 1
     used_cols = bt[:, : int(num_used.max())]  # a view: columns past every sequence's end are padding
     # viewed as unsigned, a negative id becomes huge, so one compare finds ids outside [0, num_blocks)
     unsigned = used_cols.view(np.uint32 if used_cols.dtype == np.int32 else np.uint64)
@@ -346,7 +346,7 @@ def _decode_torch(a: DecodeArgs, min_seq_len: int) -> torch.Tensor:
     block_size, num_kv_heads = kc.shape[1], kc.shape[2]
     group = num_heads // num_kv_heads  # query heads per kv head
     L = a.max_seq_len
-    nb = -(-L // block_size)  # blocks of the longest sequence
+    nb = cdiv(L, block_size)  # blocks of the longest sequence
     ragged = min_seq_len < L  # some sequences are shorter than the longest: mask their tails
     lens = a.seq_lens[:, None]  # (S, 1)
     pages = a.block_tables[:, :nb].long()  # (S, nb)
@@ -386,7 +386,7 @@ def _prefill_torch(a: PrefillArgs, lens: list[int], starts: list[int]) -> torch.
     for i, seq_len in enumerate(lens):
         start, end = starts[i], starts[i + 1]
         n = end - start  # new tokens: positions seq_len - n .. seq_len - 1
-        pages = a.block_tables[i, : -(-seq_len // block_size)].long()
+        pages = a.block_tables[i, : cdiv(seq_len, block_size)].long()
         k = kc[pages].flatten(0, 1)[:seq_len].to(acc)  # (L, kvh, hs)
         v = vc[pages].flatten(0, 1)[:seq_len].to(acc)
         qi = q[start:end].view(n, num_kv_heads, group, head_size).to(acc)  # (n, kvh, G, hs)

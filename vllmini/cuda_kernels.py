@@ -33,7 +33,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from vllmini.checks import as_int, one_of
+from vllmini.checks import as_int, cdiv, one_of
 from vllmini.errors import InvalidArgumentError, InvalidTypeError, KernelBuildError
 
 RUNTIMES = ("cupy", "emulator")
@@ -307,7 +307,7 @@ def launch_plan(
     pieces as fill it but none shorter than MIN_SPLIT_TOKENS tokens. The lengths are not known on the
     host without a sync, so the pieces are cut from the block table's width (max_num_blocks_per_seq *
     block_size); a piece past a shorter sequence's end exits at once. `num_splits` forces a count."""
-    chunks = -(-head_size // WARP_SIZE)  # 32-dim chunks of a head
+    chunks = cdiv(head_size, WARP_SIZE)  # 32-dim chunks of a head
     if version.number < 5:
         if version.number == 1:
             shared_mem = (max_num_blocks_per_seq * block_size + version.threads) * 4  # scores + scratch
@@ -325,10 +325,10 @@ def launch_plan(
     if num_splits is None:
         target = SPLIT_TARGET_BLOCKS_PER_SM * sms
         longest = max_num_blocks_per_seq * block_size
-        num_splits = 1 if blocks >= target else min(-(-target // blocks), max(1, longest // MIN_SPLIT_TOKENS))
+        num_splits = 1 if blocks >= target else min(cdiv(target, blocks), max(1, longest // MIN_SPLIT_TOKENS))
     num_splits = max(1, min(num_splits, max_num_blocks_per_seq))
-    pages_per_split = -(-max_num_blocks_per_seq // num_splits)
-    num_splits = -(-max_num_blocks_per_seq // pages_per_split)  # no empty piece at the end
+    pages_per_split = cdiv(max_num_blocks_per_seq, num_splits)
+    num_splits = cdiv(max_num_blocks_per_seq, pages_per_split)  # no empty piece at the end
     lane_group = 16 if sixteen else 32
     shared_mem = (version.threads // lane_group) * compiled_hb * (head_size + 2) * 4
     options = (f"-DVLLMINI_ONLY_CHUNKS={chunks}", f"-DVLLMINI_ONLY_GQA={int(heads_per_block > 1)}")

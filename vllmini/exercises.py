@@ -59,7 +59,7 @@ def time_average_answer(n: int = 200_000, seed: int = 0) -> tuple[float, float]:
     inp = np.array([r[0] for r in reqs])
     out = np.array([r[1] for r in reqs])
     held = inp + np.rint(np.random.default_rng(seed + 1).uniform(0, 1, n) * out).astype(np.int64)
-    return held.sum() / (2048 * n), held.sum() / (-(-held // 16) * 16).sum()
+    return held.sum() / (2048 * n), held.sum() / (cdiv(held, 16) * 16).sum()
 
 
 def check_time_average(static_share: float, paged_share: float) -> None:

@@ -41,8 +41,6 @@ def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None
         )
 
 
-
-
 def reshape_and_cache(
     key: torch.Tensor,  # (num_tokens, num_kv_heads, head_size)
     value: torch.Tensor,  # (num_tokens, num_kv_heads, head_size)

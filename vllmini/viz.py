@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from vllmini.allocator import BlockAllocator
 from vllmini.block_table import BlockManager, BlockTable
-from vllmini.checks import as_int, one_of
+from vllmini.checks import as_int, cdiv, one_of
 from vllmini.errors import InvalidArgumentError, InvalidTypeError, VllminiError
 
 if TYPE_CHECKING:
@@ -213,7 +213,7 @@ def _layout(snap: _Snapshot, max_pool_rows: int, max_blocks: int, max_seq_blocks
         prev = b
     # the pool wraps into columns of at most max_pool_rows, unless the logical side is taller anyway
     pool_rows = min(len(items), max(max_pool_rows, int(logical_rows)))
-    lay.pool_cols = -(-len(items) // pool_rows)
+    lay.pool_cols = cdiv(len(items), pool_rows)
     lay.n_rows = max(logical_rows, pool_rows)
 
     block_w = bs * lay.cell
@@ -864,7 +864,7 @@ def draw_reservations(
     requests = [(int(i), int(o)) for i, o in requests]
     tokens = sum(i + o for i, o in requests)
     static = [max_len] * len(requests)
-    paged = [-(-(i + o) // block_size) * block_size for i, o in requests]
+    paged = [cdiv(i + o, block_size) * block_size for i, o in requests]
     fig, axes = plt.subplots(2, 1, figsize=figsize)
     panels = [
         (axes[0], static, None, f"static: {max_len} slots each, {tokens} of {sum(static)} hold tokens"),
