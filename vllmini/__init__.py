@@ -7,7 +7,7 @@ jupyter, ipywidgets, matplotlib and cupy are imported only by the pieces that dr
 
 from importlib import import_module
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # public name -> module that defines it
 _EXPORTS = {
@@ -30,6 +30,7 @@ _EXPORTS = {
     "reshape_and_cache": "kv_cache",
     "paged_attention": "attention",
     "paged_prefill_attention": "attention",
+    "check_kernel_errors": "attention",
     "LlamaConfig": "model",
     "LlamaModel": "model",
     "Sequence": "scheduler",
@@ -42,7 +43,7 @@ _EXPORTS = {
     "LLMEngine": "engine",
 }
 _SUBMODULES = set(
-    "errors checks memory allocator block_table kv_cache attention cuda_kernels emulator "
+    "errors checks memory allocator block_table prefix_cache kv_cache attention cuda_kernels emulator "
     "model scheduler engine serving exercises viz".split()
 )
 
