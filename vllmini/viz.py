@@ -71,7 +71,7 @@ def _manager_over(tables: dict, allocator: BlockAllocator, block_size: int) -> B
     from types import SimpleNamespace
 
     view = BlockManager.__new__(BlockManager)
-    view.allocator, view.block_size, view.watermark_blocks = allocator, block_size, 0
+    view.allocator, view.block_size, view.watermark_blocks, view.prefix_cache = allocator, block_size, 0, None
     view._tables = {
         s: SimpleNamespace(_block_ids=list(t.block_ids), num_tokens=t.num_tokens) for s, t in tables.items()
     }
