@@ -4,6 +4,7 @@ prefill against scaled_dot_product_attention, validation, and the backend dispat
 import sys
 import types
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -108,6 +109,10 @@ def test_scale_default_and_custom():
     case["scale"] = 0.0  # uniform weights: the mean of the values
     _, v = gather_kv(case, 1)
     torch.testing.assert_close(decode(case)[1].double(), v.mean(0), rtol=1e-6, atol=1e-6)
+    case["scale"] = 0.37
+    want = decode(case)
+    case["scale"] = np.float32(0.37)  # numpy scalars are numbers too (float32(0.37) != 0.37 exactly)
+    torch.testing.assert_close(decode(case), want, rtol=1e-6, atol=1e-6)
 
 
 def test_padding_entries_are_ignored_whatever_they_hold(host_path):
