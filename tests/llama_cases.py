@@ -38,3 +38,17 @@ def hf_config(**overrides) -> transformers.LlamaConfig:
 def random_hf_model(seed=0, **overrides) -> transformers.LlamaForCausalLM:
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(hf_config(**overrides)).eval()
+
+
+def engine_hf_model() -> transformers.LlamaForCausalLM:
+    """The engine tests' model: longer contexts than test_model's (rope scaling starts at 32 positions,
+    by a factor of 4), 128 positions."""
+    rope = {**LLAMA3_ROPE, "factor": 4.0, "original_max_position_embeddings": 32}
+    return random_hf_model(0, max_position_embeddings=128, rope_scaling=rope)
+
+
+def float64_copy(hf: transformers.LlamaForCausalLM) -> transformers.LlamaForCausalLM:
+    """The same weights in float64: the reference the engine's float32 tokens are checked against."""
+    m = transformers.LlamaForCausalLM(hf.config).eval()
+    m.load_state_dict(hf.state_dict())
+    return m.double()

@@ -17,7 +17,7 @@ from vllmini.errors import EngineStateError, InvalidArgumentError, InvalidTypeEr
 from vllmini.model import LlamaModel
 
 transformers = pytest.importorskip("transformers")
-from llama_cases import LLAMA3_ROPE, random_hf_model  # noqa: E402 (needs transformers)
+from llama_cases import engine_hf_model, random_hf_model  # noqa: E402 (needs transformers)
 
 TIE = 1e-4
 MAX_TOKENS = 16
@@ -26,9 +26,7 @@ PROMPT_LENS = (1, 3, 4, 5, 8, 9, 16, 17)  # around block boundaries of block_siz
 
 @pytest.fixture(scope="module")
 def hf():
-    # longer contexts than test_model's: rope scaling starts at 32 positions, by a factor of 4
-    rope = {**LLAMA3_ROPE, "factor": 4.0, "original_max_position_embeddings": 32}
-    return random_hf_model(0, max_position_embeddings=128, rope_scaling=rope)
+    return engine_hf_model()
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from vllmini.errors import InvalidArgumentError, InvalidTypeError
 from vllmini.model import LlamaModel
 
 transformers = pytest.importorskip("transformers")
-from llama_cases import LLAMA3_ROPE, random_hf_model  # noqa: E402 (needs transformers)
+from llama_cases import engine_hf_model, float64_copy  # noqa: E402 (needs transformers)
 
 TIE = 1e-4
 BS = 4
@@ -248,8 +248,7 @@ def test_cached_blocks_always_hold_their_prefix(num_blocks, block_size, ops):
 
 @pytest.fixture(scope="module")
 def hf():
-    rope = {**LLAMA3_ROPE, "factor": 4.0, "original_max_position_embeddings": 32}
-    return random_hf_model(0, max_position_embeddings=128, rope_scaling=rope)
+    return engine_hf_model()
 
 
 @pytest.fixture(scope="module")
@@ -259,9 +258,7 @@ def model(hf):
 
 @pytest.fixture(scope="module")
 def hf64(hf):
-    m = transformers.LlamaForCausalLM(hf.config).eval()
-    m.load_state_dict(hf.state_dict())
-    return m.double()
+    return float64_copy(hf)
 
 
 @pytest.fixture(scope="module")
