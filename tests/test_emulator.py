@@ -402,8 +402,8 @@ def test_ctrl_c_stops_a_thread_that_spins_forever(hangs):
         from vllmini.emulator import RawModule
         module = RawModule(open(HANGS).read(), filename="hangs.cu")
         spin, flag = module.get_function("spin_wait"), np.zeros(1, np.int32)
+        start = time.monotonic()  # before the timer starts: Ctrl-C comes at least 0.5 s after this
         threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
-        start = time.monotonic()
         try:
             spin(1, 2, (flag,))
             outcome = "finished"
@@ -496,8 +496,8 @@ def test_checked_mode_time_limit_and_ctrl_c(hangs):
             message = "finished"
         except KernelError as error:
             message = str(error)
+        start = time.monotonic()  # before the timer starts: Ctrl-C comes at least 0.5 s after this
         threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
-        start = time.monotonic()
         try:
             spin(1, 2, (flag,), time_limit=float("inf"))
             outcome = "finished"
