@@ -816,8 +816,8 @@ def test_bad_prompts_are_refused_clearly(model, prompts, params, error, message)
 def test_generate_tokenizes_each_prompt_once(model, monkeypatch):
     engine = LLMEngine(model, block_size=4, num_blocks=32)
     calls = []
-    original = engine._encode
-    monkeypatch.setattr(engine, "_encode", lambda p: calls.append(p) or original(p))
+    original = engine.inputs.encode
+    monkeypatch.setattr(engine.inputs, "encode", lambda p: calls.append(p) or original(p))
     engine.generate([[5, 6], [7]], SamplingParams(max_tokens=2), use_tqdm=False)
     assert calls == [[5, 6], [7]]
 

@@ -35,8 +35,6 @@ tokens, with RequestOutput.finished False until the last.
 from __future__ import annotations
 
 import random
-import signal
-import threading
 import time
 from dataclasses import replace
 
@@ -44,56 +42,22 @@ import numpy as np
 import torch
 
 from vllmini.attention import check_kernel_errors
-from vllmini.checks import as_int, as_token_ids, cdiv
+from vllmini.checks import as_int, cdiv
 from vllmini.config import EngineConfig, make_config
 from vllmini.errors import EngineStateError, InvalidArgumentError, InvalidTypeError
+from vllmini.interrupts import DeferSigint
 from vllmini.kv_cache import PagedKVCache
 from vllmini.model import LlamaModel
 from vllmini.outputs import CompletionOutput, Logprob, RequestOutput, StepStats, sharing_summary
+from vllmini.processing import InputProcessor, OutputProcessor
 from vllmini.sampling import SamplingParams, sample, sample_batch, sample_seed, token_logprobs
 from vllmini.scheduler import Scheduler, Sequence, SequenceStatus
-
-STOP_WINDOW = 8  # tokens decoded beyond a stop string's length to look for it (tokens may decode to "")
 
 # the names this module re-exports, so `from vllmini.engine import SamplingParams` keeps working
 __all__ = [
     "CompletionOutput", "EngineConfig", "LLMEngine", "Logprob", "RequestOutput", "SamplingParams",
     "StepStats", "sample", "sample_batch", "sample_seed", "sharing_summary", "token_logprobs",
 ]  # fmt: skip
-
-
-class _DeferSigint:
-    """Within `with`: Ctrl-C raises KeyboardInterrupt as usual until `hold()`; after that it is only
-    recorded in `.interrupted`, for the caller to act on once the critical part is done."""
-
-    def __init__(self, hold: bool = False):
-        self.holding, self.interrupted = hold, False
-        self._previous = None
-
-    def hold(self) -> None:
-        self.holding = True
-
-    def _handler(self, signum, frame):
-        if self.holding:
-            self.interrupted = True
-        elif self._previous is signal.SIG_IGN:
-            return
-        else:
-            self.holding = True  # a second Ctrl-C must not interrupt the rollback of the first
-            if callable(self._previous):
-                self._previous(signum, frame)  # Python's default handler raises KeyboardInterrupt
-            else:
-                raise KeyboardInterrupt
-
-    def __enter__(self) -> _DeferSigint:
-        if threading.current_thread() is threading.main_thread():  # only it receives signals
-            previous = signal.signal(signal.SIGINT, self._handler)
-            self._previous = signal.SIG_DFL if previous is None else previous  # None: set outside Python
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
 
 
 class LLMEngine:
@@ -130,11 +94,22 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
         self.backend = self._resolve_backend(config.backend)  # "torch", "cupy" or "emulator"
-        self.tokenizer, self.eos_token_ids = model.tokenizer, set(model.eos_token_ids)
+        self.tokenizer = model.tokenizer
+        self.inputs = InputProcessor(self.tokenizer, model.config.vocab_size)
+        self.outputs = OutputProcessor(self.tokenizer, set(model.eos_token_ids))
         self.stats: list[StepStats] = []
         self.num_forwards = 0  # forwards of committed steps (one per step)
         self._next_id = 0
         self._ready: list[RequestOutput] = []  # finished (or streamed) but not yet returned by step()
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        """Token ids that end a request ("stop") unless SamplingParams.ignore_eos; settable."""
+        return self.outputs.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids) -> None:
+        self.outputs.eos_token_ids = set(ids)
 
     @classmethod
     def from_pretrained(
@@ -202,47 +177,10 @@ class LLMEngine:
     # -------------------------------------------------------------------------
     # requests
 
-    def _encode(self, prompt) -> list[int]:
-        """Token ids of one prompt: a str (needs a tokenizer), or ids as a list or a 1-D int tensor/array."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidTypeError(
-                    "string prompts need a tokenizer (tokenizer.json in the checkpoint); pass token ids"
-                )
-            ids = self.tokenizer.encode(prompt).ids
-        elif isinstance(prompt, (bytes, bytearray)):
-            raise InvalidTypeError(
-                f"a prompt must be a str or token ids, got bytes {prompt[:20]!r}: decode it first"
-            )
-        else:
-            ids = as_token_ids(prompt, "prompt")
-        if not ids:
-            raise InvalidArgumentError("the prompt is empty: it needs at least one token")
-        vocab = self.model.config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidArgumentError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
-        return ids
-
     def _new_request(self, prompt, params: SamplingParams | None, rid: int) -> list[Sequence]:
         """A checked, tokenized request (its n samples) that fits the engine; nothing is queued yet."""
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise InvalidTypeError(
-                f"params must be a SamplingParams, got {type(params).__name__} {params!r}"
-                + (": use SamplingParams(**params)" if isinstance(params, dict) else "")
-            )
-        if params.stop and self.tokenizer is None:
-            raise InvalidArgumentError(
-                f"SamplingParams(stop={params.stop!r}) needs a tokenizer to see the text (tokenizer.json "
-                f"in the checkpoint); without one, stop on token ids: stop_token_ids=[...]"
-            )
-        vocab = self.model.config.vocab_size
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise InvalidArgumentError(
-                f"logprobs must be <= the vocabulary size {vocab}, got {params.logprobs}"
-            )
-        ids = self._encode(prompt)
+        params = self.inputs.check_params(params)
+        ids = self.inputs.encode(prompt)
         # no seed given: derive one from the engine's seed and the request number (string seeds are hashed
         # with SHA-512, so nearby numbers give unrelated streams)
         seed = params.seed if params.seed is not None else random.Random(f"{self.seed}:{rid}").getrandbits(63)
@@ -275,7 +213,7 @@ class LLMEngine:
         `step()` with finish_reason "abort". False if no unfinished request has this id."""
         seq = self.scheduler.abort(as_int(request_id, "request_id"))
         if seq is not None:
-            self._ready.append(self._output(seq))
+            self._ready.append(self.outputs.output(seq))
         return seq is not None
 
     def has_unfinished_requests(self) -> bool:
@@ -298,7 +236,7 @@ class LLMEngine:
         module docstring."""
         t0 = time.perf_counter()
         sched = self.scheduler
-        with _DeferSigint() as sigint:
+        with DeferSigint() as sigint:
             snapshot, before, out, saved = sched.snapshot(), sched.num_preemptions, None, []
             try:
                 out = sched.schedule()
@@ -380,7 +318,7 @@ class LLMEngine:
                 seq.output_token_ids.append(token)
                 if lp is not None:
                     seq.output_logprobs.append(lp)
-                reason = self._finish_reason(seq, token)
+                reason = self.outputs.finish_reason(seq, token)
                 if reason is None:
                     if seq.sampling_params.output_kind != "final_only":
                         streamed[seq.request_id] = seq
@@ -388,14 +326,14 @@ class LLMEngine:
             seq.error = error
             sched.finish(seq, reason)
             if all(s.status is SequenceStatus.FINISHED for s in seq.group):
-                self._ready.append(self._output(seq))
+                self._ready.append(self.outputs.output(seq))
                 streamed.pop(seq.request_id, None)
             elif seq.sampling_params.output_kind != "final_only":
                 streamed[seq.request_id] = seq
             finished += 1
         for seq in streamed.values():  # streaming requests still running: what they have so far
             if any(s.status is not SequenceStatus.FINISHED for s in seq.group):
-                self._ready.append(self._output(seq))
+                self._ready.append(self.outputs.output(seq))
         self.num_forwards += 1
         self.stats.append(
             StepStats(
@@ -417,86 +355,6 @@ class LLMEngine:
             )
         )
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        """Why `seq` stops after appending `token` ("stop", "length"), or None. Sets its stop_reason,
-        and for a stop string where its text ends."""
-        p = seq.sampling_params
-        if token in p.stop_token_ids:
-            seq.stop_reason = token
-            return "stop"
-        if not p.ignore_eos and token in self.eos_token_ids:
-            return "stop"
-        if p.stop:
-            # a stop string not seen before ends in the new token: decoding the last few tokens finds it
-            # (the whole text is decoded once, when it is found, to cut it there)
-            tail = self._text(seq.output_token_ids[-(max(map(len, p.stop)) + STOP_WINDOW) :])
-            if any(x in tail for x in p.stop):
-                text = self._text(seq.output_token_ids)
-                found = [(i, x) for x in p.stop if (i := text.find(x)) >= 0]
-                if found:  # (a tail decoded alone may differ from the whole text at its start)
-                    seq.text_end, seq.stop_reason = min(found)
-                    return "stop"
-        if len(seq.output_token_ids) >= seq.max_tokens:
-            return "length"
-        return None
-
-    def _text(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
-
-    def _token_text(self, token_id: int) -> str | None:
-        return (
-            None if self.tokenizer is None else self.tokenizer.decode([token_id], skip_special_tokens=False)
-        )
-
-    def _completion(self, seq: Sequence) -> CompletionOutput:
-        """What to return of one sample: everything, or (output_kind "delta") what is new since the
-        last time. While it runs, text that may be the start of a stop string is held back."""
-        p, ids = seq.sampling_params, seq.output_token_ids
-        text = None
-        if self.tokenizer is not None:
-            text = self._text(ids)[: seq.text_end]
-            if seq.status is not SequenceStatus.FINISHED:
-                hold = max(map(len, p.stop), default=1) - 1  # the start of a stop string
-                text = text[: len(text) - hold].rstrip("\ufffd")  # and half a multi-byte character
-        logprobs = None
-        if p.logprobs is not None:
-            logprobs = [
-                {t: Logprob(lp, rank, self._token_text(t)) for t, (lp, rank) in e.items()}
-                for e in seq.output_logprobs
-            ]
-        if p.output_kind == "delta":
-            num_tokens, num_chars = seq.num_streamed
-            seq.num_streamed = (len(ids), num_chars if text is None else len(text))
-            ids = ids[num_tokens:]
-            text = None if text is None else text[num_chars:]
-            logprobs = None if logprobs is None else logprobs[num_tokens:]
-        return CompletionOutput(
-            seq.index,
-            list(ids),
-            text,
-            seq.finish_reason,
-            seq.error,
-            logprobs,
-            seq.stop_reason,
-        )
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        """The RequestOutput of `seq`'s request: all its samples (finished, or so far while it streams)."""
-        finished = all(s.status is SequenceStatus.FINISHED for s in seq.group)
-        outputs = [self._completion(s) for s in sorted(seq.group, key=lambda s: s.index)]
-        first = outputs[0]
-        return RequestOutput(
-            seq.request_id,
-            list(seq.prompt_token_ids),
-            first.token_ids,
-            first.text,
-            first.finish_reason,
-            first.error,
-            outputs,
-            finished,
-            first.logprobs,
-        )
-
     # -------------------------------------------------------------------------
     # the whole run
 
@@ -507,7 +365,7 @@ class LLMEngine:
         if isinstance(prompts, (torch.Tensor, np.ndarray)):
             if prompts.ndim == 2:  # one prompt per row
                 return list(prompts)
-            return [prompts]  # 1-D: one prompt; anything else fails in _encode with its shape
+            return [prompts]  # 1-D: one prompt; anything else fails in InputProcessor.encode with its shape
         if not isinstance(prompts, (list, tuple)):
             raise InvalidTypeError(
                 f"prompts must be a str, a list of token ids, or a list of such prompts; got "
@@ -557,7 +415,7 @@ class LLMEngine:
         try:
             results = self._run_until_done(set(ids), use_tqdm)
         except BaseException:  # Ctrl-C or a failed step: drop this run's requests, keep the engine usable
-            with _DeferSigint(hold=True):  # a second Ctrl-C must not stop the cleanup halfway
+            with DeferSigint(hold=True):  # a second Ctrl-C must not stop the cleanup halfway
                 for i in ids:
                     self.abort_request(i)
                 self._ready = [o for o in self._ready if o.request_id not in set(ids)]
