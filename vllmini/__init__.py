@@ -44,7 +44,7 @@ _EXPORTS = {
 }
 _SUBMODULES = set(
     "errors checks memory allocator block_table prefix_cache kv_cache attention cuda_kernels emulator "
-    "model scheduler sampling outputs processing interrupts config engine arrivals serving latency "
+    "model sequence scheduler sampling outputs processing interrupts config engine arrivals serving latency "
     "exercises viz".split()
 )
 

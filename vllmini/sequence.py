@@ -1,0 +1,130 @@
+"""A request's sequence as the scheduler sees it (its tokens, status, generator), and one step's batch
+(SchedulerOutput): prefills first, then decodes, with the slots their new tokens go to."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from vllmini.checks import as_int
+from vllmini.errors import InvalidArgumentError
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One request's state: its tokens, where it is in the queue, and its own random generator."""
+
+    def __init__(
+        self,
+        seq_id: int,
+        prompt_token_ids: list[int],
+        max_tokens: int,
+        *,
+        seed: int,
+        device: str | torch.device = "cpu",
+        sampling_params=None,
+        request_id=None,
+        index: int = 0,
+    ):
+        if not prompt_token_ids:
+            raise InvalidArgumentError("prompt_token_ids must hold at least one token, got an empty prompt")
+        self.seq_id = seq_id
+        self.request_id = seq_id if request_id is None else request_id  # samples of one request share it
+        self.index = as_int(index, "index", min=0)  # which of the request's n samples
+        self.group: list[Sequence] = [self]  # the request's samples, set by Scheduler.add
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache (a prefill computes the rest)
+        # chunked prefill: the prefill is done once num_computed_tokens reaches prefill_target (its
+        # num_tokens when admitted); a sample that shares its first sample's pages waits for those
+        # (prefill_parent: the first sample, set at admission)
+        self.prefill_target = 0
+        self.prefill_parent: Sequence | None = None
+        self.block_hashes: list[bytes] = []  # hash chain of its full blocks (prefix caching)
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.max_tokens = as_int(max_tokens, "max_tokens", min=1)
+        self.sampling_params = sampling_params  # the engine's SamplingParams; opaque here
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None  # "length" | "stop" | "abort" | "error" once finished
+        self.error: str | None = None  # why, when finish_reason is "error"
+        self.num_preemptions = 0
+        # what the engine makes of its tokens (changed only when a step commits)
+        self.output_logprobs: list = []  # one entry per output token, when logprobs are asked for
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that finished it
+        self.text_end: int | None = None  # its text is cut here (before the stop string it produced)
+        self.num_streamed: tuple[int, int] = (0, 0)  # (tokens, characters) already streamed
+        # its own generator: its samples do not depend on what else is in the batch, or on preemption
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        """Admitted, but its prefill has not computed all its tokens yet (chunked prefill)."""
+        return self.num_computed_tokens < self.prefill_target
+
+    @property
+    def max_len(self) -> int:
+        """The most tokens it can ever hold: prompt + max_tokens."""
+        return len(self.prompt_token_ids) + self.max_tokens
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(seq_id={self.seq_id}, status={self.status.value}, prompt={len(self.prompt_token_ids)},"
+            f" output={len(self.output_token_ids)}/{self.max_tokens})"
+        )
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's batch: prefills first, then decodes; the new tokens' slots in the same order."""
+
+    prefills: list[Sequence] = field(default_factory=list)
+    decodes: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)  # sent back to waiting in this step
+    slot_mapping: list[int] = field(default_factory=list)
+    forked: list[tuple[Sequence, Sequence]] = field(default_factory=list)  # (child, parent): same logits
+    num_lookup_tokens: int = 0  # prefix caching: tokens of the sequences admitted with a lookup
+    num_hit_tokens: int = 0  # ... of them found in the cache (not computed)
+    num_lookup_blocks: int = 0
+    num_hit_blocks: int = 0
+    num_prefill_tokens: int = 0  # prompt tokens computed in this step (not found cached or shared)
+    chunk_ends: dict = field(default_factory=dict)  # chunked prefill: seq_id -> end of its chunk
+
+    def prefill_end(self, seq: Sequence) -> int:
+        """Where this step's prefill of `seq` stops: num_tokens, or earlier for a chunk."""
+        return self.chunk_ends.get(seq.seq_id, seq.num_tokens)
+
+    @property
+    def partial_prefills(self) -> list[Sequence]:
+        """Prefills whose chunk stops before their last token: they compute K/V but sample nothing."""
+        return [s for s in self.prefills if self.prefill_end(s) < s.num_tokens]
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        """The sequences in the forward, one logits row each."""
+        return self.prefills + self.decodes
+
+    @property
+    def samplers(self) -> list[tuple[Sequence, int]]:
+        """Every sequence that gets a token this step, with its logits row (forked ones share a row)."""
+        rows = {id(s): i for i, s in enumerate(self.seqs)}
+        partial = {id(s) for s in self.partial_prefills}
+        own = [(s, i) for i, s in enumerate(self.seqs) if id(s) not in partial]
+        return own + [(c, rows[id(p)]) for c, p in self.forked]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefills and not self.decodes
