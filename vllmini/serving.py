@@ -236,6 +236,54 @@ def _describe(rec: RequestRecord, engine: LLMEngine) -> str:
     )
 
 
+def _check_serve_args(engine, trace, clock, step_cost, max_time, stall_steps) -> tuple[float | None, int]:
+    """serve()'s arguments checked; returns (max_time, stall_steps) cleaned."""
+    if not isinstance(engine, LLMEngine):
+        raise InvalidTypeError(f"engine must be an LLMEngine, got {type(engine).__name__}")
+    one_of(clock, "clock", CLOCKS)
+    if not callable(step_cost):
+        raise InvalidTypeError(f"step_cost must be a StepCost or a callable, got {type(step_cost).__name__}")
+    if max_time is not None:
+        max_time = as_float(max_time, "max_time", min=0.0)
+    for k, q in enumerate(trace):
+        if not isinstance(q, TimedRequest):
+            raise InvalidTypeError(f"trace[{k}] must be a TimedRequest, got {type(q).__name__}")
+        as_float(q.arrival, f"trace[{k}].arrival", min=0.0)
+    if engine.has_unfinished_requests():
+        raise EngineStateError("serve() needs an idle engine: it has unfinished requests")
+    return max_time, as_int(stall_steps, "stall_steps", min=1)
+
+
+def _admit(engine: LLMEngine, q: TimedRequest, t: float, records: dict) -> None:
+    """Hand an arrived request to the engine and start its record."""
+    params = SamplingParams(max_tokens=q.output_len, ignore_eos=True)
+    rid = engine.add_request(list(q.prompt_token_ids), params)
+    records[rid] = RequestRecord(rid, q.arrival, len(q.prompt_token_ids), q.output_len, admitted=t)
+
+
+def _record_tokens(records: dict, first: list[int], finished: list[RequestOutput], t: float) -> None:
+    """A step that ended at t: first tokens and finished requests noted in their records."""
+    for rid in first:
+        records[rid].first_token = t
+    for o in finished:
+        r = records[o.request_id]
+        r.finish, r.output_len, r.finish_reason = t, len(o.output_token_ids), o.finish_reason
+        if r.first_token is None:
+            r.first_token = t
+
+
+def _stall_error(engine: LLMEngine, records: dict, stalled: int, t: float) -> EngineStateError:
+    """The no-progress error, naming the oldest unfinished request and where it is."""
+    left = [r for r in records.values() if not r.finished]
+    oldest = min(left, key=lambda r: (r.arrival, r.request_id)) if left else None
+    who = f"{_describe(oldest, engine)} is the oldest unfinished" if oldest else "no request is unfinished"
+    return EngineStateError(
+        f"serving made no progress in {stalled} engine steps (no token sampled, nothing finished) at "
+        f"t={t:.3f} s: {who}; "
+        f"{len(engine.scheduler.running)} running, {len(engine.scheduler.waiting)} waiting"
+    )
+
+
 def serve(
     engine: LLMEngine,
     trace: Sequence[TimedRequest],
@@ -254,20 +302,7 @@ def serve(
     requests unfinished (cut_off). EngineStateError, naming the oldest unfinished request, when
     `stall_steps` steps in a row produce no token and finish nothing.
     """
-    if not isinstance(engine, LLMEngine):
-        raise InvalidTypeError(f"engine must be an LLMEngine, got {type(engine).__name__}")
-    one_of(clock, "clock", CLOCKS)
-    if not callable(step_cost):
-        raise InvalidTypeError(f"step_cost must be a StepCost or a callable, got {type(step_cost).__name__}")
-    if max_time is not None:
-        max_time = as_float(max_time, "max_time", min=0.0)
-    stall_steps = as_int(stall_steps, "stall_steps", min=1)
-    for k, q in enumerate(trace):
-        if not isinstance(q, TimedRequest):
-            raise InvalidTypeError(f"trace[{k}] must be a TimedRequest, got {type(q).__name__}")
-        as_float(q.arrival, f"trace[{k}].arrival", min=0.0)
-    if engine.has_unfinished_requests():
-        raise EngineStateError("serve() needs an idle engine: it has unfinished requests")
+    max_time, stall_steps = _check_serve_args(engine, trace, clock, step_cost, max_time, stall_steps)
 
     order = sorted(range(len(trace)), key=lambda k: trace[k].arrival)  # stable: ties keep trace order
     meter, records, steps = StepMeter(engine), {}, []
@@ -282,11 +317,7 @@ def serve(
         if clock == "wall":
             t = now()
         while nxt < len(order) and trace[order[nxt]].arrival <= t:  # admit everything that has arrived
-            q = trace[order[nxt]]
-            rid = engine.add_request(
-                list(q.prompt_token_ids), SamplingParams(max_tokens=q.output_len, ignore_eos=True)
-            )
-            records[rid] = RequestRecord(rid, q.arrival, len(q.prompt_token_ids), q.output_len, admitted=t)
+            _admit(engine, trace[order[nxt]], t, records)
             nxt += 1
         if max_time is not None and t >= max_time:
             cut = True
@@ -308,27 +339,10 @@ def serve(
             )
             t = start + seconds
         steps.append(replace(rec, start=start, seconds=seconds))
-        for rid in first:
-            records[rid].first_token = t
-        for o in finished:
-            r = records[o.request_id]
-            r.finish, r.output_len, r.finish_reason = t, len(o.output_token_ids), o.finish_reason
-            if r.first_token is None:
-                r.first_token = t
+        _record_tokens(records, first, finished, t)
         stalled = 0 if (rec.num_generated or finished) else stalled + 1
         if stalled >= stall_steps:
-            left = [r for r in records.values() if not r.finished]
-            oldest = min(left, key=lambda r: (r.arrival, r.request_id)) if left else None
-            who = (
-                f"{_describe(oldest, engine)} is the oldest unfinished"
-                if oldest
-                else "no request is unfinished"
-            )
-            raise EngineStateError(
-                f"serving made no progress in {stalled} engine steps (no token sampled, nothing finished) at "
-                f"t={t:.3f} s: {who}; "
-                f"{len(engine.scheduler.running)} running, {len(engine.scheduler.waiting)} waiting"
-            )
+            raise _stall_error(engine, records, stalled, t)
     for r in records.values():  # cut off: keep how far each unfinished one got
         if not r.finished:
             r.output_len = meter.seen_len.get(r.request_id, r.output_len)
