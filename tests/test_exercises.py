@@ -137,3 +137,61 @@ def test_engine_checks():
     exercises.check_timeline(timeline, 4, first_admitted=2, steps_waiting=3)
     with pytest.raises(AssertionError):
         exercises.check_timeline(timeline, 4, first_admitted=2, steps_waiting=2)
+
+
+def _sweep_point(policy, rate, ttft_p50):
+    from types import SimpleNamespace
+
+    ttft = SimpleNamespace(p50=ttft_p50)
+    return SimpleNamespace(policy=policy, rate=rate, metrics=SimpleNamespace(ttft=ttft))
+
+
+def test_ttft_knee_check():
+    points = [_sweep_point("static", r, t) for r, t in [(4, 0.02), (16, 0.1), (24, 0.5), (32, 2.0)]]
+    points += [_sweep_point("paged", r, t) for r, t in [(4, 0.02), (16, 0.02), (24, 0.03)]]
+    exercises.check_ttft_knee(points, {"static": 24, "paged": None})
+    with pytest.raises(AssertionError, match="static"):
+        exercises.check_ttft_knee(points, {"static": 16, "paged": None})  # 5x is not past 10x
+    with pytest.raises(AssertionError, match="paged"):
+        exercises.check_ttft_knee(points, {"static": 24, "paged": 24})
+    with pytest.raises(AssertionError, match="per policy"):
+        exercises.check_ttft_knee(points, {"static": 24})
+
+
+def test_fast_kernel_checks():
+    nbytes = 2 * 64 * 4096 * 8 * 128 * 2
+    exercises.check_decode_roofline(nbytes, nbytes / 4.4e12 * 1e6, 4.0)
+    with pytest.raises(AssertionError, match="per KV head"):
+        exercises.check_decode_roofline(4 * nbytes, nbytes / 4.4e12 * 1e6, 4.0)  # counted per query head
+    with pytest.raises(AssertionError, match="intensity"):
+        exercises.check_decode_roofline(nbytes, nbytes / 4.4e12 * 1e6, 1.0)
+
+    def merge(parts):
+        big = torch.stack([m for m, _, _ in parts]).max(dim=0).values
+        w = [l * torch.exp(m - big) for m, l, _ in parts]
+        return sum(wi[:, None] * o for wi, (_, _, o) in zip(w, parts, strict=True)) / sum(w)[:, None]
+
+    def naive_merge(parts):  # exp(m) overflows for large scores
+        w = [l * torch.exp(m) for m, l, _ in parts]
+        return sum(wi[:, None] * o for wi, (_, _, o) in zip(w, parts, strict=True)) / sum(w)[:, None]
+
+    exercises.check_lse_merge(merge)
+    with pytest.raises(AssertionError, match="overflows"):
+        exercises.check_lse_merge(naive_merge)
+    with pytest.raises(AssertionError):
+        exercises.check_lse_merge(lambda parts: sum(o for _, _, o in parts) / len(parts))  # unweighted mean
+
+    def first_bad(bt, lens, num_blocks, bs):
+        for s, n in enumerate(lens.tolist()):
+            for j in range(-(-n // bs)):
+                if not 0 <= int(bt[s, j]) < num_blocks:
+                    return s, j
+        return None
+
+    def first_bad_with_padding(bt, lens, num_blocks, bs):  # also flags the -1 padding nobody reads
+        bad = ((bt < 0) | (bt >= num_blocks)).nonzero().tolist()
+        return tuple(bad[0]) if bad else None
+
+    exercises.check_first_bad_entry(first_bad)
+    with pytest.raises(AssertionError, match="expected"):
+        exercises.check_first_bad_entry(first_bad_with_padding)

@@ -298,3 +298,109 @@ def check_timeline(timeline: dict, request_id: int, first_admitted: int, steps_w
     )
     assert steps_waiting == want_wait, f"steps waiting: got {steps_waiting}; count the grey cells of its row"
     _ok(f"request {request_id}: first admitted at step {want_first}, waited {want_wait} steps in all")
+
+
+def check_ttft_knee(points: list, answer: dict) -> None:
+    """Exercise 06.4: for each policy of a `serving.rate_sweep`, the lowest rate whose median time to
+    first token is more than 10x its median TTFT at the lowest rate (None if no rate is)."""
+    want = {}
+    for policy in dict.fromkeys(p.policy for p in points):
+        pts = sorted((p for p in points if p.policy == policy), key=lambda p: p.rate)
+        base = pts[0].metrics.ttft.p50
+        want[policy] = next((p.rate for p in pts if p.metrics.ttft.p50 > 10 * base), None)
+    assert set(answer) == set(want), f"one rate (or None) per policy: {sorted(want)}, got {sorted(answer)}"
+    for policy, rate in want.items():
+        got = answer[policy]
+        same = got is None if rate is None else got is not None and math.isclose(got, rate)
+        assert same, f"{policy}: got {got}; compare each rate's TTFT p50 with 10x the lowest rate's"
+    _ok(", ".join(f"{p} from {r:g}/s" if r is not None else f"{p} never" for p, r in want.items()))
+
+
+# ---- notebook 07
+
+
+def roofline_answer(batch: int, seq_len: int, heads: int, kv_heads: int, head_size: int, elem_bytes: int,
+                    read_bw: float) -> tuple[int, float, float]:  # fmt: skip
+    """Decode attention of one step: (K and V bytes read, microseconds at read_bw bytes/s, FLOP per byte)."""
+    nbytes = 2 * batch * seq_len * kv_heads * head_size * elem_bytes
+    flops = 4 * batch * seq_len * heads * head_size
+    return nbytes, nbytes / read_bw * 1e6, flops / nbytes
+
+
+def check_decode_roofline(
+    kv_bytes: int, ceiling_us: float, intensity: float, read_bw: float = 4.4e12
+) -> None:
+    """Exercise 07.1: shape (e), 64 sequences x 4096 tokens, 32 query heads sharing 8 KV heads, head size
+    128, float16: the bytes one decode step reads, its time at the read ceiling, its FLOP per byte."""
+    want_bytes, want_us, want_int = roofline_answer(64, 4096, 32, 8, 128, 2, read_bw)
+    assert kv_bytes == want_bytes, (
+        f"bytes: got {kv_bytes:,}; keys AND values, for every token of every sequence, per KV head (not per "
+        "query head), 2 bytes each"
+    )
+    assert math.isclose(ceiling_us, want_us, rel_tol=1e-3), (
+        f"time: got {ceiling_us:.4g} us; bytes / {read_bw:.3g} bytes/s, in microseconds"
+    )
+    assert math.isclose(intensity, want_int, rel_tol=1e-6), (
+        f"intensity: got {intensity:.4g}; 4 FLOP per (token, query head, dim) over the bytes: 2H / (K e)"
+    )
+    _ok(f"{want_bytes / 1e9:.2f} GB, {want_us:.0f} us at the ceiling, {want_int:g} FLOP per byte")
+
+
+def check_lse_merge(merge: Callable) -> None:
+    """Exercise 07.2: merge(parts) with parts a list of (m [H], l [H], o [H, D]) from pieces of one
+    context (m the max score, l the sum of exp(score - m), o the piece's softmax-weighted value sum over l)
+    returns the whole context's attention output [H, D]; checked against one softmax in float64."""
+    g = torch.Generator().manual_seed(0)
+    for n, pieces, spread in [(10, 2, 1.0), (37, 3, 5.0), (64, 5, 1.0), (9, 9, 1.0), (50, 4, 800.0)]:
+        scores = torch.randn(4, n, generator=g, dtype=torch.float64) * spread  # [H, n]
+        v = torch.randn(n, 8, generator=g, dtype=torch.float64)  # [n, D]
+        want = torch.softmax(scores, dim=1) @ v  # [H, D]
+        cuts = sorted(random.Random(n).sample(range(1, n), pieces - 1))
+        parts = []
+        for a, b in zip([0] + cuts, cuts + [n], strict=True):
+            s = scores[:, a:b]
+            m = s.max(dim=1).values  # [H]
+            e = torch.exp(s - m[:, None])
+            parts.append((m, e.sum(dim=1), (e @ v[a:b]) / e.sum(dim=1)[:, None]))
+        got = torch.as_tensor(merge(parts), dtype=torch.float64)
+        assert got.shape == want.shape, f"shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+        assert not got.isnan().any(), (
+            f"NaN with scores of size ~{spread:g}: exp(m_i) overflows; subtract the largest m first"
+        )
+        err = (got - want).abs().max().item()
+        assert err < 1e-9, f"{n} tokens, {pieces} pieces: max |diff| {err:.2e}; weight o_i by l_i e^(m_i - M)"
+    _ok("the merged pieces equal one softmax over the whole context, even with scores in the hundreds")
+
+
+def check_first_bad_entry(fn: Callable) -> None:
+    """Exercise 07.3: fn(block_tables, seq_lens, num_blocks, block_size) -> (sequence, index) of the first
+    block-table entry (row by row) that a sequence reads and that is not a block id, or None; the -1
+    padding after a sequence's last block is never read."""
+    from vllmini.attention import check_block_tables
+    from vllmini.errors import InvalidBlockTableError
+
+    rng = random.Random(0)
+    for _ in range(300):
+        num_blocks, bs = rng.choice([4, 16]), rng.choice([1, 4, 16])
+        lens = [rng.randint(1, 40) for _ in range(rng.randint(1, 4))]
+        width = max(cdiv(n, bs) for n in lens) + rng.randint(0, 2)
+        rows = [[rng.randrange(num_blocks) for _ in range(cdiv(n, bs))] for n in lens]
+        for r in rows:
+            r += [-1] * (width - len(r))
+            if rng.random() < 0.3:  # corrupt one entry, read or padding
+                r[rng.randrange(width)] = rng.choice([-1, -7, num_blocks, 10**6])
+        bt, sl = torch.tensor(rows, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+        want = next(((s, j) for s, n in enumerate(lens) for j in range(cdiv(n, bs))
+                     if not 0 <= rows[s][j] < num_blocks), None)  # fmt: skip
+        try:  # the package's host check agrees on whether the tables are bad
+            check_block_tables(bt, sl, num_blocks, bs)
+            assert want is None
+        except InvalidBlockTableError as e:
+            assert want is not None and f"block_tables[{want[0]}, {want[1]}]" in str(e)
+        got = fn(bt.clone(), sl.clone(), num_blocks, bs)
+        got = None if got is None else tuple(int(x) for x in got)
+        assert got == want, (
+            f"block_tables {rows}, seq_lens {lens}, num_blocks {num_blocks}, block_size {bs}: got {got}, "
+            f"expected {want} (a sequence of n tokens reads entries 0 .. ceil(n / block_size) - 1)"
+        )
+    _ok("your check finds the same first bad entry as vllmini's, and ignores the padding nobody reads")
