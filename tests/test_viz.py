@@ -320,7 +320,7 @@ def test_explorer_buttons_say_what_they_do():
     e.click("add")
     e.num_tokens.value = 3
     assert e.append_button.description == "append 3 tokens to seq 0"
-    assert (e.fork_button.description, e.free_button.description) == ("fork seq 0", "free seq 0")
+    assert (e.fork_button.description, e.free_button.description) == ("fork seq 0 → seq 1", "free seq 0")
     assert e.seq_select.options == (("seq 0", 0),)  # labelled as in the picture
     e.click("fork")
     assert e.seq_select.value == 1 and e.append_button.description == "append 3 tokens to seq 1"
@@ -379,7 +379,7 @@ def test_explorer_clicks_travel_with_the_tokens_box():
     targets = {
         (link.source[0].model_id, link.target[1]) for link in e._links if link.target[0] is e.num_tokens
     }
-    assert targets == {(e._buttons[n].model_id, f"{n}_click") for n in ("add", "append", "fork", "free")}
+    assert targets == {(e._buttons[n].model_id, f"{n}_click") for n in ("add", "append", "fork", "free", "step")}
     e.num_tokens.set_state({"value": 7, "add_click": True})  # the message the browser sends
     assert e.manager.seq_len(0) == 7 and "added seq 0 with 7 tokens" in e.status_text()
     e.num_tokens.set_state({"value": 2, "append_click": True})
