@@ -47,9 +47,10 @@ class PageTablePlayground:
         self._next_token += count
         return list(range(self._next_token - count, self._next_token))
 
-    def _cached_free(self) -> set[int]:
+    def _cached_free(self) -> dict[int, bytes]:
+        """Cached blocks nobody holds, with their hashes."""
         cache = self.manager.prefix_cache
-        return set(cache.evictable) if cache is not None else set()
+        return {b: cache.hash_of(b) for b in cache.evictable} if cache is not None else {}
 
     def _on_a_copy(self, change):
         """Run `change(manager)` on a copy of the manager and keep the copy only if it succeeds: a
@@ -64,7 +65,7 @@ class PageTablePlayground:
         end = self.manager.seq_len(seq_id)
         self.manager.cache_full_blocks(seq_id, self.tokens[seq_id], self.hashes[seq_id], start, end)
 
-    def _finish(self, message: str, slots: list[int], cached_before: set[int]) -> str:
+    def _finish(self, message: str, slots: list[int], cached_before: dict[int, bytes]) -> str:
         """Take the action's copy-on-write pairs (the KV cache owner's job) and say what happened."""
         self.last_copies = self.manager.take_pending_copies()
         if slots:
@@ -72,7 +73,8 @@ class PageTablePlayground:
         for src, dst in self.last_copies:
             message += f"; copy-on-write: block {src} → {dst}"
         cache = self.manager.prefix_cache
-        evicted = sorted(b for b in cached_before if cache is not None and not cache.is_cached(b))
+        # evicted: its hash entry is gone (the block may already be named again, for its new tokens)
+        evicted = sorted(b for b, h in cached_before.items() if cache is not None and cache.hash_of(b) != h)
         if evicted:
             blocks = "block" if len(evicted) == 1 else "blocks"
             message += f"; evicted cached {blocks} {evicted} (least recently used)"
@@ -126,7 +128,7 @@ class PageTablePlayground:
         before = self._cached_free()
         self.manager.free(seq_id)
         self.hashes.pop(seq_id, None)
-        kept = sorted(self._cached_free() - before)
+        kept = sorted(self._cached_free().keys() - before.keys())
         message = f"freed seq {seq_id}"
         if kept:
             message += f"; {plural(len(kept), 'block')} {kept} stay cached (free, found again by their hash)"
