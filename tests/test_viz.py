@@ -398,6 +398,7 @@ def test_explorer_starts_empty_and_displays():
     for button in (e.add_button, e.append_button, e.fork_button, e.free_button, e.reset_button):
         assert button in e.controls.children
     assert e.num_tokens.continuous_update  # every keystroke reaches the kernel before a click can
+    assert e.prefix_select.label == "new tokens" and e.samples.value == 2  # shown selected, not blank
     assert [b.disabled for b in (e.add_button, e.append_button, e.fork_button, e.free_button)] == [
         False, True, True, True
     ]  # fmt: skip
@@ -656,17 +657,18 @@ def test_explorer_free_keeps_cached_blocks_and_add_reuses_them():
     assert e.manager.num_cached_free_blocks == 2 and e.manager.num_free_blocks == 8
     assert "8 of 8 blocks free (2 of them cached)" in e.status_text()
     assert [b.kind for b in page_table_layout(e.manager).boxes[:3]] == ["cached", "cached", "free"]
-    assert e.prefix_select.options == (("new tokens", None), ("seq 0's 9 tokens (freed)", 0))
+    assert e.prefix_select.options == (("new tokens", "new"), ("seq 0's 9 tokens (freed)", 0))
     e.prefix_select.value = 0
     e.num_tokens.value = 12
     assert e.add_button.description == "add 12 tokens: seq 0's first 9 + 3 new"
     e.click("add")  # the prompt starts with seq 0's 9 tokens: its two full blocks are found again
     assert e.manager.block_table(1).block_ids[:2] == [0, 1] and e.manager.num_cached_free_blocks == 0
     assert "the first 9 from seq 0; prefix cache hit: shares 2 blocks [0, 1]" in e.history[-1]
-    e.prefix_select.value = None
+    e.prefix_select.value = "new"
     e.num_tokens.value = 12
     e.click("add")  # new tokens: no hit
     assert not {0, 1} & set(e.manager.block_table(2).block_ids) and "hit" not in e.history[-1]
+    assert e.prefix_select.label == "new tokens"  # still shown after the options changed
     e.add_sequence(6, prefix_of=1)  # a live sequence's prefix: block 0 shared by two sequences
     assert e.manager.allocator.ref_count(0) == 2 and len(page_table_layout(e.manager).arrows_to(0)) == 2
 

@@ -16,7 +16,7 @@ import html
 
 from vllmini.checks import as_int, one_of
 from vllmini.errors import VllminiError
-from vllmini.viz.explorer_widgets import ACTIONS, BackgroundPainter, build_controls
+from vllmini.viz.explorer_widgets import ACTIONS, NEW_TOKENS, BackgroundPainter, build_controls
 from vllmini.viz.playground import PageTablePlayground
 from vllmini.viz.style import plural
 
@@ -92,9 +92,11 @@ class PageTableExplorer(BackgroundPainter):
     @_locked
     def add_sequence(self, num_tokens: int | None = None, prefix_of=None):
         """Start a new sequence of `num_tokens` tokens (default: the tokens box), starting with the tokens
-        of sequence `prefix_of` (default: the `starts with` selection). Returns its id or None."""
+        of sequence `prefix_of`, or "new" tokens (default: the `starts with` selection). Returns its id
+        or None."""
         n = self.num_tokens.value if num_tokens is None else num_tokens
-        prefix_of = self.prefix_select.value if prefix_of is None else prefix_of
+        choice = self.prefix_select.value if prefix_of is None else prefix_of
+        prefix_of = None if choice == NEW_TOKENS else choice
         seq_id = self.next_seq_id
         if self._try(lambda: self.playground.add(n, prefix_of)):
             self._refresh_select(seq_id)
@@ -204,10 +206,10 @@ class PageTableExplorer(BackgroundPainter):
         elif ids and self.seq_select.value not in ids:
             self.seq_select.value = ids[0]
         prefix = self.prefix_select.value
-        self.prefix_select.options = [("new tokens", None)] + [
+        self.prefix_select.options = [("new tokens", NEW_TOKENS)] + [
             (f"seq {s}'s {len(t)} tokens" + ("" if s in ids else " (freed)"), s) for s, t in tokens.items()
         ]
-        self.prefix_select.value = prefix if prefix in tokens else None
+        self.prefix_select.value = prefix if prefix in tokens else NEW_TOKENS
         self._label_buttons()
         self.refresh()
 
@@ -215,7 +217,7 @@ class PageTableExplorer(BackgroundPainter):
         """The buttons say what they will do, with the current tokens, selection and samples."""
         n, seq, samples = self.num_tokens.value, self.seq_select.value, self.samples.value
         tokens, prefix = plural(n, "token"), self.prefix_select.value
-        if prefix is None:
+        if prefix == NEW_TOKENS:
             self.add_button.description = f"add a sequence of {tokens}"
         else:
             head = min(n, len(self.playground.tokens[prefix]))

@@ -12,6 +12,7 @@ import threading
 from vllmini.viz.page_table import draw_page_table
 from vllmini.viz.snapshot import Snapshot, snapshot
 
+NEW_TOKENS = "new"  # the `starts with` choice for a sequence of tokens no other sequence has
 ACTIONS = ("add", "append", "fork", "free", "step")  # the buttons whose click travels with the tokens box
 TIPS = {  # what each control drives (also shown as its tooltip)
     "tokens": "how many tokens `add` starts a sequence with, and how many `append` adds",
@@ -80,7 +81,7 @@ def build_controls(explorer, max_tokens: int) -> None:
         options=[2, 3, 4, 5, 6], value=2, description="samples", layout=wide, tooltip=TIPS["samples"]
     )
     explorer.prefix_select = w.Dropdown(
-        options=[("new tokens", None)], description="starts with", layout=wide, tooltip=TIPS["prefix"]
+        options=[("new tokens", NEW_TOKENS)], description="starts with", layout=wide, tooltip=TIPS["prefix"]
     )
     explorer._buttons, explorer._links = {}, []
     for name in ACTIONS:

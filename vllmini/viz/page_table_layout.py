@@ -134,11 +134,12 @@ def _pool_style(b: int, snap: Snapshot, colors: dict) -> _Look:
     if not owners and snap.pinned(b):
         return _Look("pinned", (GREY,), filled, GREY, 1.6, ":", f"{b} copy source", GREY)
     stripes = tuple(dict.fromkeys(colors.get(s, GREY) for s in owners)) or (GREY,)  # one per owner
-    cached = ", cached" if b in snap.cached else ""
+    notes = ", cached" if b in snap.cached else ""
+    notes += "".join(f", copy of {src}" for src, dst in snap.copies if dst == b)
     if len(owners) > 1:
-        label = f"{b} shared ×{len(owners)}{cached}"
+        label = f"{b} shared ×{len(owners)}{notes}"
         return _Look("shared", stripes, filled, "black", 2.4, "-", label, bold=True)
-    return _Look("used", stripes, filled, stripes[0], 1.6, "-", f"{b}{cached}")
+    return _Look("used", stripes, filled, stripes[0], 1.6, "-", f"{b}{notes}")
 
 
 def _logical_boxes(snap: Snapshot, places: Places, colors: dict, show_numbers: bool, out: PageTableLayout):
@@ -240,7 +241,6 @@ def _arrows(snap: Snapshot, places: Places, colors: dict, out: PageTableLayout) 
             (xs, ys), (xd, yd) = places.pool[src], places.pool[dst]
             start, end = (xs + right, ys + 0.4), (xd + right, yd + 0.4)
             out.arrows.append(Arrow(f"copy:{src}->{dst}", start, end, "black", "copy", src, dst))
-            out.labels.append(Label(start[0] + 0.4, (ys + yd) / 2 + 0.4, "copy", size=7))
 
 
 def _legend(snap: Snapshot, styles: dict, highlight) -> list[tuple[str, dict]]:

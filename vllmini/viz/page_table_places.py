@@ -92,7 +92,7 @@ def place(snap: Snapshot, label_lengths: dict, limits: tuple[int, int, int, int]
     label_room = max(LABEL_ROOM, 0.6 + 0.17 * longest) + (1.0 if snap.copies else 0.0)
     places.pool_x = block_w + max(5.0, 1.2 * block_w)  # the gap between the two sides holds the arrows
     places.col_step = block_w + label_room
-    places.x_max = places.pool_x + places.pool_cols * places.col_step + (2.0 if snap.copies else 0.0)
+    places.x_max = places.pool_x + places.pool_cols * places.col_step + (1.0 if snap.copies else 0.0)
     for j, item in enumerate(items):
         col, r = divmod(j, pool_rows)
         x, y = places.pool_x + col * places.col_step, float(r)
