@@ -317,7 +317,9 @@ def test_layout_has_one_arrow_per_reference():
     kinds = {b: layout.box(f"physical:{b}").kind for b in range(7)}
     assert kinds == {0: "shared", 1: "shared", 2: "shared", 3: "used", 4: "cached", 5: "cached", 6: "free"}
     labels = [label.text for label in layout.labels]
-    assert "0 shared ×3, cached" in labels and "2 shared ×2" in labels  # reference counts, named blocks
+    assert (
+        "0 shared ×3 (cached)" in labels and "3 (copy of 2)" in labels and "2 shared ×2" in labels
+    )  # reference counts, named blocks
     assert any(text.startswith("shared ×N") for text, _ in layout.legend)
 
 

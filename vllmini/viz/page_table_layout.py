@@ -134,8 +134,9 @@ def _pool_style(b: int, snap: Snapshot, colors: dict) -> _Look:
     if not owners and snap.pinned(b):
         return _Look("pinned", (GREY,), filled, GREY, 1.6, ":", f"{b} copy source", GREY)
     stripes = tuple(dict.fromkeys(colors.get(s, GREY) for s in owners)) or (GREY,)  # one per owner
-    notes = ", cached" if b in snap.cached else ""
-    notes += "".join(f", copy of {src}" for src, dst in snap.copies if dst == b)
+    notes = ["cached"] if b in snap.cached else []
+    notes += [f"copy of {src}" for src, dst in snap.copies if dst == b]
+    notes = f" ({', '.join(notes)})" if notes else ""
     if len(owners) > 1:
         label = f"{b} shared ×{len(owners)}{notes}"
         return _Look("shared", stripes, filled, "black", 2.4, "-", label, bold=True)
