@@ -90,25 +90,28 @@ def draw_prefill_and_decode(
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 
-    n, steps = int(prompt_len), int(num_decode_steps)
-    total = n + steps
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=figsize, gridspec_kw={"width_ratios": [n + 2, total + 2]})
-    for q in range(n):  # prefill: a causal triangle of query x key scores, computed together
-        for k in range(n):
-            face = PROMPT_FACE if k <= q else FREE_FACE
-            ax1.add_patch(Rectangle((k, -q), 0.92, 0.92, facecolor=face, edgecolor="white"))
-    ax1.set_title(f"prefill: {n} prompt tokens in ONE forward\n{n * (n + 1) // 2} query-key products, "
+    prompt, steps = int(prompt_len), int(num_decode_steps)
+    total = prompt + steps
+    ratios = {"width_ratios": [prompt + 2, total + 2]}
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=figsize, gridspec_kw=ratios)
+    for query in range(prompt):  # prefill: a causal triangle of query x key scores, computed together
+        for k in range(prompt):
+            face = PROMPT_FACE if k <= query else FREE_FACE
+            ax1.add_patch(Rectangle((k, -query), 0.92, 0.92, facecolor=face, edgecolor="white"))
+    products = prompt * (prompt + 1) // 2
+    ax1.set_title(f"prefill: {prompt} prompt tokens in ONE forward\n{products} query-key products, "
                   "weights read once", fontsize=10, loc="left")  # fmt: skip
-    for t in range(steps):  # decode: step t has one query that reads all n + t cached keys
-        for k in range(n + t + 1):
-            if k < n + t:
-                face, edge = (PROMPT_FACE if k < n else OUTPUT_FACE), "white"
+    for step in range(steps):  # decode: this step has one query that reads all prompt + step cached keys
+        for k in range(prompt + step + 1):
+            if k < prompt + step:
+                face, edge = (PROMPT_FACE if k < prompt else OUTPUT_FACE), "white"
             else:
                 face, edge = "white", "black"  # the new token: written to the cache this step
-            ax2.add_patch(Rectangle((k, -t), 0.92, 0.92, facecolor=face, edgecolor=edge, alpha=0.9))
+            ax2.add_patch(Rectangle((k, -step), 0.92, 0.92, facecolor=face, edgecolor=edge, alpha=0.9))
     ax2.set_title(f"decode: ONE new token per forward, {steps} forwards\neach reads every cached K/V "
                   "(and all weights) for one query", fontsize=10, loc="left")  # fmt: skip
-    for ax, rows, cols, ylab in ((ax1, n, n, "query (prompt token)"), (ax2, steps, total, "decode step")):
+    panels = ((ax1, prompt, prompt, "query (prompt token)"), (ax2, steps, total, "decode step"))
+    for ax, rows, cols, ylab in panels:
         ax.set_xlim(-0.2, cols + 0.2)
         ax.set_ylim(-rows + 0.8, 1.1)
         ax.set_yticks([-r + 0.46 for r in range(rows)], [str(r) for r in range(rows)])
@@ -133,18 +136,18 @@ def plot_token_shares(
     import numpy as np
 
     schemes = list(paper_share)
-    workloads = list(dict.fromkeys(w for w, _, _ in share))
+    workloads = list(dict.fromkeys(name for name, _, _ in share))
     fig, ax = plt.subplots(figsize=figsize)
     x = np.arange(len(schemes))
     width = 0.8 / (2 * len(workloads) + 1)
-    k = 0
-    for w, color in zip(workloads, ("#4C72B0", "#DD8452"), strict=False):
+    bar = 0
+    for workload, color in zip(workloads, ("#4C72B0", "#DD8452"), strict=False):
         for snap in ("done", "half"):
-            label = f"{w}, {'at completion' if snap == 'done' else 'halfway through output'}"
-            ax.bar(x + (k - len(workloads)) * width, [share[w, snap, s] for s in schemes], width,
+            label = f"{workload}, {'at completion' if snap == 'done' else 'halfway through output'}"
+            ax.bar(x + (bar - len(workloads)) * width, [share[workload, snap, s] for s in schemes], width,
                    color=color if snap == "done" else "white", edgecolor=color,
                    hatch=None if snap == "done" else "//", label=label)  # fmt: skip
-            k += 1
+            bar += 1
     paper = [paper_share[s] for s in schemes]
     ax.bar(
         x + len(workloads) * width,
@@ -184,22 +187,22 @@ def plot_length_sweeps(
     import matplotlib.pyplot as plt
     from matplotlib.ticker import PercentFormatter
 
-    workloads = list(dict.fromkeys(k[0] for k in sweep))
+    workloads = list(dict.fromkeys(key[0] for key in sweep))
     fig, axes = plt.subplots(2, 2, figsize=figsize, sharex="col")
     for row, metric in enumerate(
         ["share of reserved slots holding tokens", f"requests that fit in {budget_label}"]
     ):
-        for w, ls in zip(workloads, ("-", "--"), strict=False):
+        for workload, ls in zip(workloads, ("-", "--"), strict=False):
             for s in ("static", "paged"):
                 color = SCHEME_COLORS[s]
-                axes[row, 0].plot(max_lens, [sweep[w, s, "max_len", m][row] for m in max_lens], color=color,
-                                  ls=ls, marker="o", label=f"{s}, {w}")  # fmt: skip
-            paged = [sweep[w, "paged", "block", b][row] for b in block_sizes]
+                values = [sweep[workload, s, "max_len", m][row] for m in max_lens]
+                axes[row, 0].plot(max_lens, values, color=color, ls=ls, marker="o", label=f"{s}, {workload}")
+            paged = [sweep[workload, "paged", "block", b][row] for b in block_sizes]
             axes[row, 1].plot(block_sizes, paged, color=SCHEME_COLORS["paged"], ls=ls, marker="o",
-                              label=f"paged, {w}")  # fmt: skip
-            static = sweep[w, "static", "max_len", default_max_len][row]
+                              label=f"paged, {workload}")  # fmt: skip
+            static = sweep[workload, "static", "max_len", default_max_len][row]
             axes[row, 1].axhline(static, color=SCHEME_COLORS["static"], ls=ls, lw=1.5,
-                                 label=f"static ({default_max_len}), {w}")  # fmt: skip
+                                 label=f"static ({default_max_len}), {workload}")  # fmt: skip
         axes[row, 0].set_ylabel(metric)
         for ax in axes[row]:
             ax.set_xscale("log", base=2)
@@ -230,14 +233,14 @@ def draw_causal_mask(mask, *, start: int = 0, ax: Axes | None = None, title: str
     import numpy as np
     from matplotlib.colors import ListedColormap
 
-    m = np.asarray(mask, dtype=bool)  # (num_new, seq_len)
+    grid = np.asarray(mask, dtype=bool)  # (num_new, seq_len)
     if ax is None:
-        _, ax = plt.subplots(figsize=(0.45 * m.shape[1] + 1.6, 0.45 * m.shape[0] + 1.2))
-    ax.imshow(m, cmap=ListedColormap([FREE_FACE, PROMPT_FACE]), vmin=0, vmax=1, aspect="equal")
-    ax.set_xticks(np.arange(m.shape[1]), [str(c) for c in range(m.shape[1])], fontsize=8)
-    ax.set_yticks(np.arange(m.shape[0]), [str(start + r) for r in range(m.shape[0])], fontsize=8)
-    ax.set_xticks(np.arange(m.shape[1] + 1) - 0.5, minor=True)
-    ax.set_yticks(np.arange(m.shape[0] + 1) - 0.5, minor=True)
+        _, ax = plt.subplots(figsize=(0.45 * grid.shape[1] + 1.6, 0.45 * grid.shape[0] + 1.2))
+    ax.imshow(grid, cmap=ListedColormap([FREE_FACE, PROMPT_FACE]), vmin=0, vmax=1, aspect="equal")
+    ax.set_xticks(np.arange(grid.shape[1]), [str(c) for c in range(grid.shape[1])], fontsize=8)
+    ax.set_yticks(np.arange(grid.shape[0]), [str(start + r) for r in range(grid.shape[0])], fontsize=8)
+    ax.set_xticks(np.arange(grid.shape[1] + 1) - 0.5, minor=True)
+    ax.set_yticks(np.arange(grid.shape[0] + 1) - 0.5, minor=True)
     ax.grid(which="minor", color="white", lw=1.5)
     ax.tick_params(which="minor", length=0)
     ax.set_xlabel("key position (read from the cache)")
@@ -262,24 +265,22 @@ def draw_flat_batch(
     if figsize is None:
         figsize = (max(6.0, 0.42 * width + 2.5), 1.4 + 0.7 * (len(qlens) + 1))
     fig, ax = plt.subplots(figsize=figsize)
-    for i, (q, L) in enumerate(zip(qlens, slens, strict=True)):
+    for i, (query_len, seq_len) in enumerate(zip(qlens, slens, strict=True)):
         color = PALETTE[i % len(PALETTE)]
-        for j in range(q):  # top row: the flat query
+        for j in range(query_len):  # top row: the flat query
             ax.add_patch(Rectangle((starts[i] + j, 0), 0.92, 0.8, facecolor=color, edgecolor="white"))
-            ax.text(
-                starts[i] + j + 0.46, 0.4, str(L - q + j), ha="center", va="center", fontsize=7, color="white"
-            )
+            position = str(seq_len - query_len + j)
+            ax.text(starts[i] + j + 0.46, 0.4, position, ha="center", va="center", fontsize=7, color="white")
         y = -1.4 - i
-        for t in range(L):  # the sequence: cached (light) then new (solid)
-            new = t >= L - q
+        for t in range(seq_len):  # the sequence: cached (light) then new (solid)
+            new = t >= seq_len - query_len
             ax.add_patch(Rectangle((t, y), 0.92, 0.8, facecolor=color, alpha=1.0 if new else 0.25,
                                    edgecolor="white"))  # fmt: skip
-        ax.text(-0.3, y + 0.4, f"seq {names[i]}: seq_len {L}", ha="right", va="center", fontsize=9)
-    for i, s in enumerate(starts):  # query_start_loc
-        ax.plot([s - 0.04] * 2, [-0.15, 1.05], color="black", lw=1.5)
-        ax.text(
-            s - 0.04, 1.15, f"query_start_loc[{i}] = {s}", rotation=30, fontsize=7, ha="left", va="bottom"
-        )
+        ax.text(-0.3, y + 0.4, f"seq {names[i]}: seq_len {seq_len}", ha="right", va="center", fontsize=9)
+    for i, start in enumerate(starts):  # query_start_loc
+        ax.plot([start - 0.04] * 2, [-0.15, 1.05], color="black", lw=1.5)
+        label = f"query_start_loc[{i}] = {start}"
+        ax.text(start - 0.04, 1.15, label, rotation=30, fontsize=7, ha="left", va="bottom")
     ax.text(-0.3, 0.4, "flat query", ha="right", va="center", fontsize=9, weight="bold")
     ax.set_title("light: already in the cache; solid: this forward's new tokens (numbers: positions)",
                  fontsize=9, loc="left")  # fmt: skip
@@ -311,7 +312,7 @@ def draw_pipeline(*, figsize: tuple[float, float] = (13, 3.2)) -> Figure:
     from matplotlib.patches import FancyBboxPatch
 
     fig, ax = plt.subplots(figsize=figsize)
-    n = len(PIPELINE)
+    num_boxes = len(PIPELINE)
     for i, (name, what, nb) in enumerate(PIPELINE):
         x = i * 1.9
         ax.add_patch(FancyBboxPatch((x, 0), 1.6, 1.3, boxstyle="round,pad=0.05", facecolor=PALETTE[i % 9],
@@ -327,11 +328,11 @@ def draw_pipeline(*, figsize: tuple[float, float] = (13, 3.2)) -> Figure:
             fontsize=8,
             color="#555555",
         )
-        if i < n - 1:
+        if i < num_boxes - 1:
             ax.annotate("", (x + 1.88, 0.65), (x + 1.66, 0.65), arrowprops=dict(arrowstyle="->", lw=1.5))
     flow = "block ids  ->  page tables  ->  KV cache  ->  attention  ->  model  ->  scheduler  ->  engine"
     ax.text(0, 1.7, flow, fontsize=9, color="#555555")
-    ax.set_xlim(-0.2, n * 1.9)
+    ax.set_xlim(-0.2, num_boxes * 1.9)
     ax.set_ylim(-0.5, 1.95)
     ax.set_axis_off()
     fig.tight_layout()

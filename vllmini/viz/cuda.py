@@ -81,18 +81,18 @@ def draw_butterfly(values, lane: int = 0, figsize=(14, 5.2)) -> Figure:
     fig, ax = plt.subplots(figsize=figsize)
     for step, mask in enumerate((16, 8, 4, 2, 1)):
         ax.plot([lane, lane], [step + 0.18, step + 0.82], color="red", lw=1.8, zorder=2)  # its own value
-        for a in range(WARP_SIZE):  # a line into lane a from its partner a ^ mask
-            b = a ^ mask
-            mine = a == lane
-            ax.plot([b, a], [step + 0.18, step + 0.82], color="red" if mine else "#bbbbbb",
+        for target in range(WARP_SIZE):  # a line into lane `target` from its partner target ^ mask
+            partner = target ^ mask
+            mine = target == lane
+            ax.plot([partner, target], [step + 0.18, step + 0.82], color="red" if mine else "#bbbbbb",
                     lw=1.8 if mine else 0.5, zorder=2 if mine else 1)  # fmt: skip
         ax.text(WARP_SIZE - 0.2, step + 0.5, f"k = {mask:>2}: lane l adds lane l ^ {mask}", fontsize=8,
                 va="center")  # fmt: skip
     for step, row in enumerate(rows):
-        for a, v in enumerate(row):
-            ax.text(a, step, f"{v:g}", ha="center", va="center", fontsize=6.5,
-                    bbox=dict(boxstyle="round,pad=0.2", fc="#ffe0e0" if a == lane else "white",
-                              ec="red" if a == lane else "#999999", lw=0.6))  # fmt: skip
+        for other, value in enumerate(row):
+            ax.text(other, step, f"{value:g}", ha="center", va="center", fontsize=6.5,
+                    bbox=dict(boxstyle="round,pad=0.2", fc="#ffe0e0" if other == lane else "white",
+                              ec="red" if other == lane else "#999999", lw=0.6))  # fmt: skip
     ax.set_xlim(-0.7, WARP_SIZE + 6.5)
     ax.set_ylim(len(rows) - 0.5, -0.7)
     ax.set_xticks(range(0, WARP_SIZE, 2))
@@ -172,11 +172,11 @@ def page_read_owner(kernel: str, block_size: int = 16, head_size: int = 128):
 
     if kernel not in ("1", "2", "3"):
         raise InvalidArgumentError(f"kernel must be '1', '2' or '3', got {kernel!r}")
-    d = np.arange(head_size)
+    dim = np.arange(head_size)
     if kernel == "1":
         return np.repeat(np.arange(block_size)[:, None], head_size, axis=1)
     dims = head_size // WARP_SIZE
-    lane = d % WARP_SIZE if kernel == "2" else d // dims
+    lane = dim % WARP_SIZE if kernel == "2" else dim // dims
     return np.repeat(lane[None, :], block_size, axis=0)
 
 
