@@ -673,6 +673,10 @@ def test_explorer_free_keeps_cached_blocks_and_add_reuses_them():
     assert e.prefix_select.label == "new tokens"  # still shown after the options changed
     e.add_sequence(6, prefix_of=1)  # a live sequence's prefix: block 0 shared by two sequences
     assert e.manager.allocator.ref_count(0) == 2 and len(page_table_layout(e.manager).arrows_to(0)) == 2
+    e.prefix_select.value = 1
+    e.reset()  # the prefix's source is gone: the selection goes back to new tokens
+    assert e.prefix_select.value == "new" and e.add_button.description == "add a sequence of 12 tokens"
+    assert e.add_sequence(4, prefix_of=7) is None and "prefix_of=7 is no sequence" in e.last_error
 
 
 def test_explorer_evicts_cached_blocks_only_when_needed_and_says_so():

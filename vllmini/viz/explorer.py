@@ -94,11 +94,11 @@ class PageTableExplorer(BackgroundPainter):
         """Start a new sequence of `num_tokens` tokens (default: the tokens box), starting with the tokens
         of sequence `prefix_of`, or "new" tokens (default: the `starts with` selection). Returns its id
         or None."""
-        n = self.num_tokens.value if num_tokens is None else num_tokens
+        count = self.num_tokens.value if num_tokens is None else num_tokens
         choice = self.prefix_select.value if prefix_of is None else prefix_of
         prefix_of = None if choice == NEW_TOKENS else choice
         seq_id = self.next_seq_id
-        if self._try(lambda: self.playground.add(n, prefix_of)):
+        if self._try(lambda: self.playground.add(count, prefix_of)):
             self._refresh_select(seq_id)
             return seq_id
         return None
@@ -107,8 +107,8 @@ class PageTableExplorer(BackgroundPainter):
     def append(self, seq_id=None, num_tokens: int | None = None) -> None:
         """Grow `seq_id` (default: the selected one) by `num_tokens` (default: the tokens box)."""
         seq_id = self.seq_select.value if seq_id is None else seq_id
-        n = self.num_tokens.value if num_tokens is None else num_tokens
-        if not self._no_seq(seq_id) and self._try(lambda: self.playground.append(seq_id, n)):
+        count = self.num_tokens.value if num_tokens is None else num_tokens
+        if not self._no_seq(seq_id) and self._try(lambda: self.playground.append(seq_id, count)):
             self.refresh()
 
     @_locked
@@ -120,20 +120,17 @@ class PageTableExplorer(BackgroundPainter):
         num_samples = self.samples.value if num_samples is None else num_samples
         if self._no_seq(seq_id):
             return None
-        children = []
+        first = self.next_seq_id
 
         def fork():
-            children[:], message = self.playground.fork(seq_id, num_samples)
-            return (
-                f"{message} (now selected: seq {children[0]})"
-                if len(children) > 1
-                else (f"{message} (now selected)")
-            )
+            children, message = self.playground.fork(seq_id, num_samples)
+            selected = " (now selected)" if len(children) == 1 else f" (now selected: seq {first})"
+            return f"{message}{selected}; they share every block"
 
-        if not self._try(fork, suffix="; they share every block"):
+        if not self._try(fork):
             return None
-        self._refresh_select(children[0])
-        return children[0]
+        self._refresh_select(first)
+        return first
 
     @_locked
     def free(self, seq_id=None) -> None:
@@ -176,11 +173,11 @@ class PageTableExplorer(BackgroundPainter):
 
     # ---- helpers
 
-    def _try(self, action, suffix: str = "") -> bool:
+    def _try(self, action) -> bool:
         """Run one playground action. On success remember its message; on a VllminiError (the state is
         unchanged) show it, and keep the picture as it is."""
         try:
-            message = action() + suffix
+            message = action()
         except VllminiError as e:
             self.last_error = f"{type(e).__name__}: {e}"
             self.refresh(picture=False)
@@ -215,13 +212,14 @@ class PageTableExplorer(BackgroundPainter):
 
     def _label_buttons(self, _change=None) -> None:
         """The buttons say what they will do, with the current tokens, selection and samples."""
-        n, seq, samples = self.num_tokens.value, self.seq_select.value, self.samples.value
-        tokens, prefix = plural(n, "token"), self.prefix_select.value
-        if prefix == NEW_TOKENS:
+        count, seq, samples = self.num_tokens.value, self.seq_select.value, self.samples.value
+        tokens, prefix = plural(count, "token"), self.prefix_select.value
+        source = self.playground.tokens.get(prefix)  # None: new tokens (or a source a reset forgot)
+        if source is None:
             self.add_button.description = f"add a sequence of {tokens}"
         else:
-            head = min(n, len(self.playground.tokens[prefix]))
-            new = f" + {n - head} new" if n > head else ""
+            head = min(count, len(source))
+            new = f" + {count - head} new" if count > head else ""
             self.add_button.description = f"add {tokens}: seq {prefix}'s first {head}{new}"
         none = seq is None
         first = self.next_seq_id
