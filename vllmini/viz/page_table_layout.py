@@ -19,11 +19,22 @@ from dataclasses import dataclass, field
 
 from vllmini.allocator import BlockAllocator
 from vllmini.checks import as_int, cdiv
+from vllmini.errors import InvalidArgumentError
 from vllmini.viz.page_table_places import LABEL_ROOM, Places, place
 from vllmini.viz.snapshot import Snapshot, snapshot
-from vllmini.viz.style import CACHED_EDGE, CACHED_FACE, FREE_EDGE, FREE_FACE, HIGHLIGHT, plural, seq_color
+from vllmini.viz.style import (
+    CACHED_EDGE,
+    CACHED_FACE,
+    FREE_EDGE,
+    FREE_FACE,
+    HIGHLIGHT,
+    ROW_HEIGHT,
+    plural,
+    seq_color,
+)
 
 GREY = "#777777"
+MID = ROW_HEIGHT / 2  # from a row's top to its middle, where labels and arrows attach
 
 
 @dataclass(frozen=True)
@@ -68,6 +79,8 @@ class Arrow:
 
 @dataclass(frozen=True)
 class Label:
+    """A text at (x, y), aligned by `ha`/`va`."""
+
     x: float
     y: float
     text: str
@@ -101,7 +114,11 @@ class PageTableLayout:
         return [a for a in self.arrows if a.kind == "map" and a.dst == block_id]
 
     def box(self, gid: str) -> Box:
-        return next(b for b in self.boxes if b.gid == gid)
+        """The box with this gid, e.g. "physical:3" or "logical:0:1"."""
+        for box in self.boxes:
+            if box.gid == gid:
+                return box
+        raise InvalidArgumentError(f"no box {gid!r} in the layout (blocks that did not fit are not drawn)")
 
 
 @dataclass(frozen=True)
@@ -147,12 +164,11 @@ def _logical_boxes(snap: Snapshot, places: Places, colors: dict, show_numbers: b
     """Left side: each sequence's bar and name, its logical blocks, and '⋮' for hidden ones."""
     bs = snap.block_size
     for (s, block_ids, count), (first, last) in zip(snap.seqs, places.seq_rows, strict=False):
-        out.bars.append((-2.0, first + 0.05, last + 0.75, colors[s]))
-        out.labels.append(
-            Label(-2.3, (first + last + 0.8) / 2, f"seq {s}\n{count} tok", colors[s], 9, "right", bold=True)
-        )
+        out.bars.append((-2.0, first + 0.05, last + ROW_HEIGHT - 0.05, colors[s]))
+        middle = (first + last + ROW_HEIGHT) / 2
+        out.labels.append(Label(-2.3, middle, f"seq {s}\n{count} tok", colors[s], 9, "right", bold=True))
         if not block_ids:
-            out.labels.append(Label(0, first + 0.4, "(no blocks)", "grey"))
+            out.labels.append(Label(0, first + MID, "(no blocks)", "grey"))
     for k, i, row in places.logical:
         s, block_ids, count = snap.seqs[k]
         filled = min(bs, count - i * bs)
@@ -174,9 +190,9 @@ def _logical_boxes(snap: Snapshot, places: Places, colors: dict, show_numbers: b
                 block_id=block_ids[i],
             )
         )
-        out.labels.append(Label(-0.25, row + 0.4, f"L{i}", "#444444", ha="right"))
+        out.labels.append(Label(-0.25, row + MID, f"L{i}", "#444444", ha="right"))
     for k, row, hidden in places.logical_gaps:
-        out.labels.append(Label(0.2, row + 0.4, f"⋮ {plural(hidden, 'more block')}", colors[snap.seqs[k][0]]))
+        out.labels.append(Label(0.2, row + MID, f"⋮ {plural(hidden, 'more block')}", colors[snap.seqs[k][0]]))
     if places.hidden_seqs:
         text = f"+ {plural(places.hidden_seqs, 'more sequence')} not drawn"
         out.labels.append(Label(places.x_min + 0.2, places.seq_rows[-1][1] + 1.1, text, "grey", va="top"))
@@ -209,13 +225,13 @@ def _pool_boxes(snap, places, styles, show_numbers, highlight, out: PageTableLay
                 ref_count=len(snap.owners.get(b, ())),
             )
         )
-        out.labels.append(Label(x + bs * places.cell + 0.25, y + 0.4, st.label, st.label_color, bold=st.bold))
+        out.labels.append(Label(x + bs * places.cell + 0.25, y + MID, st.label, st.label_color, bold=st.bold))
     for x, y, first, last in places.pool_gaps:
         count = last - first + 1
         free = sum(1 for b in range(first, last + 1) if snap.ref_counts[b] == 0)
         text = f"⋮ block {first} not drawn" if count == 1 else f"⋮ blocks {first}–{last} not drawn ({count}"
         text += f", {free} free)" if count > 1 else f" ({'free' if free else 'in use'})"
-        out.labels.append(Label(x, y + 0.4, text, GREY))
+        out.labels.append(Label(x, y + MID, text, GREY))
 
 
 def _arrows(snap: Snapshot, places: Places, colors: dict, out: PageTableLayout) -> None:
@@ -228,8 +244,8 @@ def _arrows(snap: Snapshot, places: Places, colors: dict, out: PageTableLayout) 
             out.arrows.append(
                 Arrow(
                     f"arrow:{s}:{i}->{block_ids[i]}",
-                    (x0, row + 0.4),
-                    (x - 0.1, y + 0.4),
+                    (x0, row + MID),
+                    (x - 0.1, y + MID),
                     colors[s],
                     "map",
                     s,
@@ -240,7 +256,7 @@ def _arrows(snap: Snapshot, places: Places, colors: dict, out: PageTableLayout) 
     for src, dst in snap.copies:
         if src in places.pool and dst in places.pool:
             (xs, ys), (xd, yd) = places.pool[src], places.pool[dst]
-            start, end = (xs + right, ys + 0.4), (xd + right, yd + 0.4)
+            start, end = (xs + right, ys + MID), (xd + right, yd + MID)
             out.arrows.append(Arrow(f"copy:{src}->{dst}", start, end, "black", "copy", src, dst))
 
 
