@@ -645,10 +645,12 @@ def test_explorer_step_copies_and_shows_the_copy_pair():
     assert "copy-on-write: block 2 → 3; copy-on-write: block 2 → 4" in e.history[-1]
     gids = patches_by_gid(e.figure)
     assert {"copy:2->3", "copy:2->4", "highlight:3", "highlight:4"} <= set(gids)  # the pairs, as they happen
-    e.click("step")  # nothing shared and partial any more: no copies, the arcs go
+    e.fork(0)  # an action without copies: the step's copies are no longer drawn or highlighted
     assert e.last_copies == [] and not any(
         g.startswith(("copy:", "highlight:")) for g in patches_by_gid(e.figure)
     )
+    e.click("step")  # seq 0 (on block 3 since its copy) and its fork 3 share a partial block: one copy
+    assert e.last_copies == [(3, 5)] and e.history[-1].endswith("copy-on-write: block 3 → 5")
 
 
 def test_explorer_free_keeps_cached_blocks_and_add_reuses_them():

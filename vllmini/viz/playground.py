@@ -120,7 +120,7 @@ class PageTablePlayground:
             self.manager.fork(seq_id, child)
             self.tokens[child], self.hashes[child] = list(self.tokens[seq_id]), list(self.hashes[seq_id])
         self.next_seq_id += len(children)
-        return children, f"forked seq {seq_id} into {_ids(children)}"
+        return children, self._finish(f"forked seq {seq_id} into {_ids(children)}", [], {})
 
     def free(self, seq_id) -> str:
         """Finish `seq_id`: its blocks go back; full ones named in the prefix cache stay cached (free,
