@@ -2,8 +2,10 @@
 
 It runs the browser test (tests/test_browser.py: JupyterLab in headless Chromium, the explorer used
 step by step, a screenshot after each step into tests/artifacts/explorer/) and copies the step that
-shows the most — a fork after copy-on-write — next to the notebooks. The test itself never writes
-outside its ignored artifacts folder.
+shows the most next to the notebooks: three samples of one prompt right after a decode step, their
+shared pages with three arrows each, the two copy-on-write pairs of the step highlighted, and a
+finished request's pages cached but free. The test itself never writes outside its ignored artifacts
+folder.
 
     python scripts/explorer_screenshot.py          # needs chromium (apt-get install chromium) and playwright
 """
@@ -15,7 +17,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SHOT = ROOT / "tests" / "artifacts" / "explorer" / "05_copy_on_write.png"
+SHOTS = ROOT / "tests" / "artifacts" / "explorer"
+STEP = "step_copies"  # the screenshot's name in the browser test (after its number)
 TARGET = ROOT / "notebooks" / "images" / "explorer.png"
 
 
@@ -25,9 +28,10 @@ def main() -> int:
     if subprocess.run(test, cwd=ROOT, env=env).returncode != 0:
         print("the browser test failed: screenshot not updated", file=sys.stderr)
         return 1
+    (shot,) = SHOTS.glob(f"[0-9][0-9]_{STEP}.png")
     TARGET.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(SHOT, TARGET)
-    print(f"wrote {TARGET.relative_to(ROOT)} from {SHOT.relative_to(ROOT)}")
+    shutil.copyfile(shot, TARGET)
+    print(f"wrote {TARGET.relative_to(ROOT)} from {shot.relative_to(ROOT)}")
     return 0
 
 

@@ -4,11 +4,14 @@ The test starts its own JupyterLab (a free localhost port, a random token, a tem
 notebook, settings and workspace in a temporary folder), opens the notebook in headless Chromium
 (Debian's `chromium`, driven by Playwright through `executable_path`; no browser download), runs all
 cells from the Run menu, then clicks through the explorer: add a sequence, append across a block
-boundary, fork, append to the fork (copy-on-write), free, exhaust the pool, reset, and rapid
-type-then-click rounds. After each step it checks the status text, the free-block count and whether
-the picture changed, and saves a screenshot to tests/artifacts/explorer/ (ignored by git;
-scripts/explorer_screenshot.py copies one into docs/ for the README). Any JavaScript console error
-fails the test, except JupyterLab's own messages listed in ALLOWED_CONSOLE_ERRORS.
+boundary, fork, append to the fork (copy-on-write), free, exhaust the pool, reset, rapid
+type-then-click rounds, then sharing: free a sequence (its full blocks stay cached), fork into 3
+samples, step (two copies of the shared partial block), add a request that starts with the freed
+sequence's tokens (a prefix-cache hit). After each step it checks the status text, the free-block
+count and whether the picture changed, and saves a screenshot to tests/artifacts/explorer/ (ignored
+by git; scripts/explorer_screenshot.py copies one into notebooks/images/ for the README and notebook
+03). Any JavaScript console error fails the test, except JupyterLab's own messages listed in
+ALLOWED_CONSOLE_ERRORS.
 
 Without Chromium or Playwright the test is skipped with the reason, except when CI is set: CI
 installs both (.ci/run), so there a missing browser is a failure.
@@ -143,6 +146,10 @@ class Explorer:
     def button(self, name: str):
         return self.root.locator(f"button.vllmini-{name}")
 
+    def select(self, name: str, label: str) -> None:
+        """Pick `label` in the dropdown `name` ("seq", "samples" or "prefix")."""
+        self.root.locator(f".vllmini-{name} select").select_option(label=label)
+
     def src(self) -> str:
         return self.image.get_attribute("src") or ""
 
@@ -234,6 +241,27 @@ def run_all_cells(page) -> None:
     )
 
 
+def sharing(e: Explorer, expect) -> None:
+    """The sharing controls: a freed sequence's full blocks stay cached, a fork into 3 samples, a step
+    that copies the shared partial block twice, and a new request that finds the cached prefix."""
+    expect(e.root.locator(".vllmini-prefix select option:checked")).to_have_text("new tokens")
+    e.type_tokens(8)
+    e.step("add_to_cache", "add", "added seq 0 with 8 tokens", free=14)
+    status = e.step("free_keeps_cached", "free", "freed seq 0; 2 blocks [0, 1] stay cached", free=16)
+    assert "16 of 16 blocks free (2 of them cached)" in status, status
+    e.type_tokens(10)
+    e.step("add_new_tokens", "add", "added seq 1 with 10 tokens", free=13)
+    e.select("samples", "3")
+    expect(e.button("fork")).to_have_text("fork seq 1 → seqs 2–3 (3 samples)")  # says which ids it makes
+    e.step("fork_samples", "fork", "forked seq 1 into seqs 2, 3 (now selected: seq 2)", free=13)
+    status = e.step("step_copies", "step", "step: seqs 1, 2, 3 sampled 1 token each", free=11)
+    assert re.search(r"copy-on-write: block (\d+) → \d+; copy-on-write: block \1 → \d+", status), status
+    e.select("prefix", "seq 0's 8 tokens (freed)")
+    e.type_tokens(9)
+    expect(e.button("add")).to_have_text("add 9 tokens: seq 0's first 8 + 1 new")
+    e.step("prefix_hit", "add", "prefix cache hit: shares 2 blocks [0, 1]", free=8)
+
+
 @pytest.mark.slow
 def test_explorer_in_jupyterlab(browser, lab):  # browser first: without one, skip before starting a server
     from playwright.sync_api import expect
@@ -302,6 +330,8 @@ def test_explorer_in_jupyterlab(browser, lab):  # browser first: without one, sk
 
         e.step("reset", "reset", "reset: empty pool", free=16)
         expect(e.button("fork")).to_be_disabled()
+        expect(e.button("step")).to_be_disabled()
+        sharing(e, expect)
     except BaseException:
         page.screenshot(path=ARTIFACTS / "failure_page.png")  # what the page showed when it failed
         raise

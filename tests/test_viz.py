@@ -15,8 +15,8 @@ from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.patches import FancyArrowPatch  # noqa: E402
 
 from vllmini import BlockAllocator, BlockManager, BlockTable  # noqa: E402
-from vllmini.errors import InvalidArgumentError, InvalidTypeError, VllminiError  # noqa: E402
-from vllmini.viz import PageTableExplorer, draw_page_table, seq_color  # noqa: E402
+from vllmini.errors import InvalidArgumentError, InvalidIndexError, InvalidTypeError, VllminiError  # noqa: E402
+from vllmini.viz import CACHED_EDGE, PageTableExplorer, draw_page_table, page_table_layout, seq_color  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -281,6 +281,112 @@ def test_drawing_never_changes_what_it_draws():
     assert full_state(m) == before
 
 
+# ---- sharing in the picture: reference counts, copy-on-write pairs, cached-but-free blocks
+
+
+def shared_and_cached_manager() -> BlockManager:
+    """Three samples of a 10-token prompt (one copied its partial block), and a finished request whose
+    two full blocks stay in the prefix cache."""
+    m = BlockManager(16, 4, enable_prefix_caching=True)
+    m.allocate("a", 10)  # blocks 0, 1 full, 2 holds 2 tokens
+    m.cache_full_blocks("a", list(range(100, 110)), [], 0, 10)  # 0 and 1 named by their hash
+    m.fork("a", "b")
+    m.fork("a", "c")
+    m.append("b", 1)  # b writes into the shared partial block 2: copy 2 -> 3 pending
+    m.allocate("d", 9)  # blocks 4, 5 full, 6 partial
+    m.cache_full_blocks("d", list(range(200, 209)), [], 0, 9)
+    m.free("d")  # 4 and 5 stay cached (reference count 0), 6 is plainly free
+    return m
+
+
+def test_layout_has_one_arrow_per_reference():
+    m = shared_and_cached_manager()
+    layout = page_table_layout(m)
+    sequences = {b for s in m.seq_ids for b in m.block_table(s).block_ids}
+    assert sequences == {0, 1, 2, 3}
+    for b in range(m.num_blocks):
+        box = layout.box(f"physical:{b}")
+        holders = sum(b in m.block_table(s).block_ids for s in m.seq_ids)
+        assert len(layout.arrows_to(b)) == box.ref_count == holders
+        if b in sequences:  # no pins, no cache hold: the allocator's count is the arrows' count
+            assert m.allocator.ref_count(b) == holders
+    assert [len(layout.arrows_to(b)) for b in (0, 1, 2, 3)] == [3, 3, 2, 1]
+    for arrow in layout.arrows_to(0):  # each arrow starts at its own sequence's logical block 0
+        assert layout.box(f"logical:{arrow.src}:0").block_id == 0
+        assert arrow.start[1] == pytest.approx(layout.box(f"logical:{arrow.src}:0").y + 0.4)
+    kinds = {b: layout.box(f"physical:{b}").kind for b in range(7)}
+    assert kinds == {0: "shared", 1: "shared", 2: "shared", 3: "used", 4: "cached", 5: "cached", 6: "free"}
+    labels = [label.text for label in layout.labels]
+    assert (
+        "0 shared ×3 (cached)" in labels and "3 (copy of 2)" in labels and "2 shared ×2" in labels
+    )  # reference counts, named blocks
+    assert any(text.startswith("shared ×N") for text, _ in layout.legend)
+
+
+def test_cached_free_blocks_are_drawn_apart_from_free_ones():
+    m = shared_and_cached_manager()
+    layout = page_table_layout(m)
+    cached, free = layout.box("physical:4"), layout.box("physical:6")
+    assert m.num_cached_free_blocks == 2 and m.prefix_cache.evictable.keys() == {4, 5}
+    assert cached.kind == "cached" and cached.hatch and cached.frame == CACHED_EDGE
+    assert free.kind == "free" and not free.hatch and free.linestyle == "--"
+    assert (cached.stripes, cached.frame) != (free.stripes, free.frame)
+    assert not layout.arrows_to(4) and cached.ref_count == 0
+    labels = [label.text for label in layout.labels]
+    assert "5 cached, free (evicted 1st)" in labels  # the tail is released first, so evicted first
+    assert "cached but free (evicted first to last): [5, 4]" in labels
+    legend = [text for text, _ in layout.legend]
+    assert any(t.startswith("cached, free") for t in legend) and "free" in legend
+    m.allocate("e", 4 * 12)  # needs every block: both cached ones are evicted
+    layout = page_table_layout(m)
+    assert not any(b.kind == "cached" for b in layout.boxes) and m.num_cached_free_blocks == 0
+    assert not any(t.startswith("cached, free") for t, _ in layout.legend)
+    gids = patches_by_gid(draw_page_table(shared_and_cached_manager()))
+    assert gids["physical:4"].get_hatch() and not gids["physical:6"].get_hatch()
+
+
+def test_copy_pairs_are_drawn_pending_or_given():
+    m = shared_and_cached_manager()
+    layout = page_table_layout(m)
+    copies = [a for a in layout.arrows if a.kind == "copy"]
+    assert [(a.src, a.dst, a.gid) for a in copies] == [(2, 3, "copy:2->3")]
+    (src_box, dst_box) = layout.box("physical:2"), layout.box("physical:3")
+    assert copies[0].start[1] == pytest.approx(src_box.y + 0.4) and copies[0].end[1] == pytest.approx(
+        dst_box.y + 0.4
+    )
+    assert m.take_pending_copies() == [(2, 3)]
+    assert not [a for a in page_table_layout(m).arrows if a.kind == "copy"]  # taken: not pending any more
+    layout = page_table_layout(m, copies=[(2, 3)], highlight=[3])  # a step's copies, as the explorer draws
+    assert [(a.src, a.dst) for a in layout.arrows if a.kind == "copy"] == [(2, 3)]
+    assert [g[0] for g in layout.glows] == [3]
+    assert {"copy-on-write: source → copy", "just copied"} <= {t for t, _ in layout.legend}
+    gids = patches_by_gid(draw_page_table(m, copies=[(2, 3)]))
+    assert "copy:2->3" in gids
+    with pytest.raises(InvalidIndexError, match=r"copies\[0\] block must be in \[0, 16\), got 16"):
+        page_table_layout(m, copies=[(2, 16)])
+    with pytest.raises(InvalidArgumentError, match=r"copies\[0\] must be a pair"):
+        page_table_layout(m, copies=[3])
+
+
+def test_a_pinned_copy_source_is_drawn_as_such():
+    m = BlockManager(8, 4)
+    m.allocate("a", 6)
+    m.fork("a", "b")
+    m.append("b", 1)  # copy 1 -> 2 pending
+    m.free("a")  # block 1 has no owner left, but b still has to copy from it: pinned
+    layout = page_table_layout(m)
+    assert layout.box("physical:1").kind == "pinned" and not layout.arrows_to(1)
+    assert "1 copy source" in [label.text for label in layout.labels]
+    m.take_pending_copies()
+    assert page_table_layout(m).box("physical:1").kind == "free"
+
+
+def test_a_plain_picture_has_no_legend():
+    m = BlockManager(8, 4)
+    m.allocate(0, 5)
+    assert page_table_layout(m).legend == []
+
+
 # ---- the explorer
 
 
@@ -294,6 +400,7 @@ def test_explorer_starts_empty_and_displays():
     for button in (e.add_button, e.append_button, e.fork_button, e.free_button, e.reset_button):
         assert button in e.controls.children
     assert e.num_tokens.continuous_update  # every keystroke reaches the kernel before a click can
+    assert e.prefix_select.label == "new tokens" and e.samples.value == 2  # shown selected, not blank
     assert [b.disabled for b in (e.add_button, e.append_button, e.fork_button, e.free_button)] == [
         False, True, True, True
     ]  # fmt: skip
@@ -320,7 +427,7 @@ def test_explorer_buttons_say_what_they_do():
     e.click("add")
     e.num_tokens.value = 3
     assert e.append_button.description == "append 3 tokens to seq 0"
-    assert (e.fork_button.description, e.free_button.description) == ("fork seq 0", "free seq 0")
+    assert (e.fork_button.description, e.free_button.description) == ("fork seq 0 → seq 1", "free seq 0")
     assert e.seq_select.options == (("seq 0", 0),)  # labelled as in the picture
     e.click("fork")
     assert e.seq_select.value == 1 and e.append_button.description == "append 3 tokens to seq 1"
@@ -379,7 +486,9 @@ def test_explorer_clicks_travel_with_the_tokens_box():
     targets = {
         (link.source[0].model_id, link.target[1]) for link in e._links if link.target[0] is e.num_tokens
     }
-    assert targets == {(e._buttons[n].model_id, f"{n}_click") for n in ("add", "append", "fork", "free")}
+    assert targets == {
+        (e._buttons[n].model_id, f"{n}_click") for n in ("add", "append", "fork", "free", "step")
+    }
     e.num_tokens.set_state({"value": 7, "add_click": True})  # the message the browser sends
     assert e.manager.seq_len(0) == 7 and "added seq 0 with 7 tokens" in e.status_text()
     e.num_tokens.set_state({"value": 2, "append_click": True})
@@ -508,6 +617,106 @@ def test_explorer_displays_its_widget_with_a_text_hint(monkeypatch):
     assert bundle["application/vnd.jupyter.widget-view+json"]["model_id"] == explorer.widget.model_id
     assert bundle["text/plain"].startswith("PageTableExplorer(8 blocks of 4)")
     assert "(-)" in explorer.status_text()  # nothing allocated: no made-up 100%
+
+
+def test_explorer_fork_into_samples_names_the_new_ids():
+    e = PageTableExplorer(num_blocks=12, block_size=4)
+    e.add_sequence(10)
+    e.samples.value = 4
+    assert e.fork_button.description == "fork seq 0 → seqs 1–3 (4 samples)"
+    e.click("fork")
+    assert e.manager.seq_ids == [0, 1, 2, 3] and e.seq_select.value == 1
+    assert "forked seq 0 into seqs 1, 2, 3 (now selected: seq 1); they share every block" in e.status_text()
+    assert [e.manager.allocator.ref_count(b) for b in (0, 1, 2)] == [4, 4, 4]
+    layout = page_table_layout(e.manager)
+    assert [len(layout.arrows_to(b)) for b in (0, 1, 2)] == [4, 4, 4]
+    assert "2 shared ×4" in [label.text for label in layout.labels]
+    assert e.fork(0, num_samples=2) == 4 and e.seq_select.value == 4  # the button's default: one child
+
+
+def test_explorer_step_copies_and_shows_the_copy_pair():
+    e = PageTableExplorer(num_blocks=12, block_size=4)
+    e.add_sequence(10)  # blocks 0, 1, 2 (2 is half full)
+    e.fork(0, num_samples=3)  # seqs 1, 2 share all three
+    e.click("step")  # each sample writes token 10 into block 2: two copies, the last writes in place
+    assert [e.manager.seq_len(s) for s in (0, 1, 2)] == [11, 11, 11]
+    assert e.last_copies == [(2, 3), (2, 4)] and e.manager.take_pending_copies() == []
+    assert "step: seqs 0, 1, 2 sampled 1 token each" in e.history[-1]
+    assert "copy-on-write: block 2 → 3; copy-on-write: block 2 → 4" in e.history[-1]
+    gids = patches_by_gid(e.figure)
+    assert {"copy:2->3", "copy:2->4", "highlight:3", "highlight:4"} <= set(gids)  # the pairs, as they happen
+    e.fork(0)  # an action without copies: the step's copies are no longer drawn or highlighted
+    assert e.last_copies == [] and not any(
+        g.startswith(("copy:", "highlight:")) for g in patches_by_gid(e.figure)
+    )
+    e.click("step")  # seq 0 (on block 3 since its copy) and its fork 3 share a partial block: one copy
+    assert e.last_copies == [(3, 5)] and e.history[-1].endswith("copy-on-write: block 3 → 5")
+
+
+def test_explorer_free_keeps_cached_blocks_and_add_reuses_them():
+    e = PageTableExplorer(num_blocks=8, block_size=4)
+    e.add_sequence(9)  # blocks 0, 1 full (named by their hash), 2 holds 1 token
+    e.free(0)
+    assert e.history[-1] == "freed seq 0; 2 blocks [0, 1] stay cached (free, found again by their hash)"
+    assert e.manager.num_cached_free_blocks == 2 and e.manager.num_free_blocks == 8
+    assert "8 of 8 blocks free (2 of them cached)" in e.status_text()
+    assert [b.kind for b in page_table_layout(e.manager).boxes[:3]] == ["cached", "cached", "free"]
+    assert e.prefix_select.options == (("new tokens", "new"), ("seq 0's 9 tokens (freed)", 0))
+    e.prefix_select.value = 0
+    e.num_tokens.value = 12
+    assert e.add_button.description == "add 12 tokens: seq 0's first 9 + 3 new"
+    e.click("add")  # the prompt starts with seq 0's 9 tokens: its two full blocks are found again
+    assert e.manager.block_table(1).block_ids[:2] == [0, 1] and e.manager.num_cached_free_blocks == 0
+    assert "the first 9 from seq 0; prefix cache hit: shares 2 blocks [0, 1]" in e.history[-1]
+    e.prefix_select.value = "new"
+    e.num_tokens.value = 12
+    e.click("add")  # new tokens: no hit
+    assert not {0, 1} & set(e.manager.block_table(2).block_ids) and "hit" not in e.history[-1]
+    assert e.prefix_select.label == "new tokens"  # still shown after the options changed
+    e.add_sequence(6, prefix_of=1)  # a live sequence's prefix: block 0 shared by two sequences
+    assert e.manager.allocator.ref_count(0) == 2 and len(page_table_layout(e.manager).arrows_to(0)) == 2
+    e.prefix_select.value = 1
+    e.reset()  # the prefix's source is gone: the selection goes back to new tokens
+    assert e.prefix_select.value == "new" and e.add_button.description == "add a sequence of 12 tokens"
+    assert e.add_sequence(4, prefix_of=7) is None and "prefix_of=7 is no sequence" in e.last_error
+
+
+def test_explorer_evicts_cached_blocks_only_when_needed_and_says_so():
+    e = PageTableExplorer(num_blocks=4, block_size=4)
+    e.add_sequence(8)
+    e.free(0)  # blocks 1, 0 cached (tail first)
+    e.add_sequence(8)  # new tokens: takes blocks 2, 3 (plainly free) first
+    assert e.manager.num_cached_free_blocks == 2 and "evicted" not in e.history[-1]
+    before = full_state(e.manager)
+    e.append(1, 12)  # needs 3 blocks, 2 exist (both cached): an error, and nothing evicted
+    assert "OutOfBlocksError" in e.last_error and full_state(e.manager) == before
+    assert e.manager.num_cached_free_blocks == 2
+    e.append(1, 4)  # one block: the least recently used cached one (seq 0's tail, block 1) goes
+    assert e.history[-1].endswith("evicted cached block [1] (least recently used)")
+    assert e.manager.block_table(1).block_ids[-1] == 1 and list(e.manager.prefix_cache.evictable) == [0]
+
+
+def test_explorer_step_that_does_not_fit_changes_nothing():
+    e = PageTableExplorer(num_blocks=3, block_size=2)
+    e.add_sequence(4)  # blocks 0, 1, both full
+    e.fork(0)  # seq 1 shares both; a step needs a new block for each: only block 2 is free
+    before, png = full_state(e.manager), e.image.value
+    e.step()
+    assert "OutOfBlocksError" in e.last_error and full_state(e.manager) == before and e.image.value == png
+    e.free(1)
+    e.step()  # one sequence, one block: fits
+    assert e.last_error is None and e.manager.seq_len(0) == 5
+
+
+def test_explorer_without_prefix_caching_frees_plainly():
+    e = PageTableExplorer(num_blocks=8, block_size=4, prefix_caching=False)
+    e.add_sequence(9)
+    e.free(0)
+    assert e.manager.prefix_cache is None and e.history[-1] == "freed seq 0"
+    e.add_sequence(9, prefix_of=0)  # same tokens, but nothing is cached
+    assert "hit" not in e.history[-1] and e.manager.allocator.ref_count(0) == 1
+    e.reset()
+    assert e.manager.prefix_cache is None
 
 
 # ---- course pictures (notebooks 01, 04, 06)

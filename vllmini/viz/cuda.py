@@ -1,0 +1,260 @@
+"""CUDA pictures (notebooks 05a, 05b): how a kernel's threads are organised and who reads what.
+
+Pure functions of their arguments; the `*_steps` / `*_trace` / `*_owner` helpers return the numbers a
+picture shows, so a notebook can check them against a kernel.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vllmini.errors import InvalidArgumentError
+from vllmini.viz.style import PALETTE
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+WARP_SIZE = 32
+
+
+def draw_cuda_hierarchy(grid: tuple[int, int] = (4, 2), threads: int = 128, figsize=(14, 4.4)) -> Figure:
+    """Grid -> thread block -> warp -> lane, and which memory each level sees (notebook 05a)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import ConnectionPatch, Rectangle
+
+    gx, gy = grid
+    warps = threads // WARP_SIZE
+    fig, (ga, ba, wa) = plt.subplots(1, 3, figsize=figsize, gridspec_kw={"width_ratios": [1.1, 1, 1.5]})
+    for y in range(gy):  # the grid: gx x gy thread blocks
+        for x in range(gx):
+            hot = (x, y) == (1, 0)
+            ga.add_patch(Rectangle((x, y), 0.9, 0.9, fc=PALETTE[0] if hot else "#c6dbef", ec="black"))
+            ga.text(x + 0.45, y + 0.45, f"block\n({x},{y})", ha="center", va="center", fontsize=8,
+                    color="white" if hot else "black")  # fmt: skip
+    ga.set(xlim=(-0.1, gx), ylim=(gy + 0.1, -0.1), xticks=[], yticks=[])
+    grid_title = f"the grid: gridDim = ({gx}, {gy}) thread blocks"
+    ga.set_title(f"{grid_title}\nblockIdx = (x, y); all blocks see global memory")
+    for w in range(warps):  # one block: its warps
+        ba.add_patch(Rectangle((0, w), 1, 0.85, fc=PALETTE[1 + w % 8], alpha=0.8, ec="black"))
+        ba.text(0.5, w + 0.42, f"warp {w}: threads {w * WARP_SIZE}..{w * WARP_SIZE + WARP_SIZE - 1}",
+                ha="center", va="center", fontsize=8)  # fmt: skip
+    ba.add_patch(Rectangle((0, warps + 0.1), 1, 0.7, fc="#fff2cc", ec="black", hatch="//"))
+    ba.text(0.5, warps + 0.45, "shared memory of this block", ha="center", va="center", fontsize=8,
+            bbox=dict(fc="white", ec="none", pad=1))  # fmt: skip
+    ba.set(xlim=(-0.05, 1.05), ylim=(warps + 0.9, -0.1), xticks=[], yticks=[])
+    ba.set_title(f"block (1,0): blockDim = {threads} threads\nthreadIdx.x = 0..{threads - 1}, on one SM")
+    for lane in range(WARP_SIZE):  # one warp: its lanes
+        r, c = divmod(lane, 8)
+        wa.add_patch(Rectangle((c, r), 0.92, 0.9, fc=PALETTE[2], alpha=0.8, ec="black"))
+        wa.text(
+            c + 0.46, r + 0.45, f"lane {lane}\nt={WARP_SIZE + lane}", ha="center", va="center", fontsize=7
+        )
+    wa.set(xlim=(-0.05, 8), ylim=(4.1, -0.1), xticks=[], yticks=[])
+    wa.set_title(
+        "warp 1: 32 lanes (t = threadIdx.x), one instruction at a time\n"
+        "lane = t % 32; each lane has its own registers"
+    )
+    for (src, dst, xy_a, xy_b) in ((ga, ba, (1.9, 0.0), (0, 0)), (ga, ba, (1.9, 0.9), (0, warps + 0.8)),
+                                   (ba, wa, (1, 1), (0, 0)), (ba, wa, (1, 1.85), (0, 4))):  # fmt: skip
+        fig.add_artist(
+            ConnectionPatch(xy_a, xy_b, "data", "data", axesA=src, axesB=dst, color="grey", lw=0.8)
+        )
+    fig.tight_layout()
+    return fig
+
+
+def butterfly_steps(values) -> list[list[float]]:
+    """The 32 lane values before and after each step of the xor butterfly (masks 16, 8, 4, 2, 1)."""
+    rows = [[float(v) for v in values]]
+    assert len(rows[0]) == WARP_SIZE, "one value per lane"
+    for mask in (16, 8, 4, 2, 1):
+        prev = rows[-1]
+        rows.append([prev[lane] + prev[lane ^ mask] for lane in range(WARP_SIZE)])
+    return rows
+
+
+def draw_butterfly(values, lane: int = 0, figsize=(14, 5.2)) -> Figure:
+    """Which lane adds which in each step of `v += __shfl_xor_sync(0xffffffff, v, k)`; `lane` in red."""
+    import matplotlib.pyplot as plt
+
+    rows = butterfly_steps(values)
+    fig, ax = plt.subplots(figsize=figsize)
+    for step, mask in enumerate((16, 8, 4, 2, 1)):
+        ax.plot([lane, lane], [step + 0.18, step + 0.82], color="red", lw=1.8, zorder=2)  # its own value
+        for target in range(WARP_SIZE):  # a line into lane `target` from its partner target ^ mask
+            partner = target ^ mask
+            mine = target == lane
+            ax.plot([partner, target], [step + 0.18, step + 0.82], color="red" if mine else "#bbbbbb",
+                    lw=1.8 if mine else 0.5, zorder=2 if mine else 1)  # fmt: skip
+        ax.text(WARP_SIZE - 0.2, step + 0.5, f"k = {mask:>2}: lane l adds lane l ^ {mask}", fontsize=8,
+                va="center")  # fmt: skip
+    for step, row in enumerate(rows):
+        for other, value in enumerate(row):
+            ax.text(other, step, f"{value:g}", ha="center", va="center", fontsize=6.5,
+                    bbox=dict(boxstyle="round,pad=0.2", fc="#ffe0e0" if other == lane else "white",
+                              ec="red" if other == lane else "#999999", lw=0.6))  # fmt: skip
+    ax.set_xlim(-0.7, WARP_SIZE + 6.5)
+    ax.set_ylim(len(rows) - 0.5, -0.7)
+    ax.set_xticks(range(0, WARP_SIZE, 2))
+    ax.set_xlabel("lane")
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels(["start"] + [f"after step {s}" for s in range(1, len(rows))])
+    ax.set_title(f"the butterfly: 5 shuffles, and every lane holds the sum {rows[-1][0]:g} "
+                 f"(red: the values lane {lane} adds)")  # fmt: skip
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    fig.tight_layout()
+    return fig
+
+
+def online_softmax_trace(scores) -> list[tuple[float, float, float]]:
+    """(running max m, running sum l = sum exp(s - m), rescale factor exp(m_old - m)) after each score."""
+    import math
+
+    m, l, out = -math.inf, 0.0, []
+    for s in scores:
+        m_new = max(m, float(s))
+        factor = math.exp(m - m_new)  # 0 for the first score (m = -inf)
+        l = l * factor + math.exp(float(s) - m_new)
+        m = m_new
+        out.append((m, l, factor))
+    return out
+
+
+def draw_online_softmax(scores, chunks: int = 3, figsize=(14, 4.2)) -> Figure:
+    """Left: running max and sum as the scores arrive, rescaled when the max grows. Right: `chunks`
+    warps each keep (m, l) of their own tokens; the merge rescales each to the common max."""
+    import math
+
+    import matplotlib.pyplot as plt
+
+    scores = [float(s) for s in scores]
+    trace = online_softmax_trace(scores)
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=figsize, gridspec_kw={"width_ratios": [1.5, 1]})
+    t = range(len(scores))
+    ax.plot(t, scores, "o", color="grey", label="score of token t")
+    ax.step(t, [m for m, _, _ in trace], where="post", color=PALETTE[3], label="running max m")
+    for i, (_, _, factor) in enumerate(trace):
+        if 0 < factor < 1:
+            ax.annotate(f"x{factor:.2f}", (i, trace[i][0]), textcoords="offset points", xytext=(0, 8),
+                        ha="center", fontsize=7, color=PALETTE[3])  # fmt: skip
+    ax.margins(y=0.2)
+    ax.set_xlabel("token t (arriving one at a time)")
+    ax.set_ylabel("score / max")
+    lx = ax.twinx()
+    lx.plot(t, [l for _, l, _ in trace], "s-", color=PALETTE[0], ms=3, label="running sum l")
+    lx.set_ylabel("l = sum of exp(score - m)", color=PALETTE[0])
+    ax.legend(handles=ax.get_legend_handles_labels()[0] + lx.get_legend_handles_labels()[0], fontsize=8,
+              loc="upper left")  # fmt: skip
+    ax.set_title("online softmax: when the max grows, the sum so far is multiplied by exp(m_old - m_new)")
+    size = math.ceil(len(scores) / chunks)
+    parts = [online_softmax_trace(scores[i * size : (i + 1) * size])[-1] for i in range(chunks)]
+    big = max(m for m, _, _ in parts)
+    names = [f"warp {w}" for w in range(chunks)]
+    bx.bar(names, [l for _, l, _ in parts], color="#cccccc", label="l_w (own max m_w)")
+    bx.bar(names, [l * math.exp(m - big) for m, l, _ in parts], color=PALETTE[0], width=0.5,
+           label="l_w * exp(m_w - M)")  # fmt: skip
+    merged = sum(l * math.exp(m - big) for m, l, _ in parts)
+    bx.bar(["merged"], [merged], color=PALETTE[2], label="sum: the whole context's l")
+    for i, (m, l, _) in enumerate(parts):
+        bx.text(i, l, f"m_w = {m:.1f}", ha="center", va="bottom", fontsize=8)
+    bx.set_title(f"the merge: {chunks} warps, tokens {size} each; M = max m_w = {big:.1f}")
+    bx.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def page_read_owner(kernel: str, block_size: int = 16, head_size: int = 128):
+    """[block_size, head_size] int array: which thread (kernel "1") or lane ("2", "3") reads each element
+    of one K page in one step: "1" thread t reads token t's whole row; "2" lane l reads dims l, l+32, ...;
+    "3" lane l reads the consecutive dims l*D .. l*D+D-1, D = head_size / 32."""
+    import numpy as np
+
+    if kernel not in ("1", "2", "3"):
+        raise InvalidArgumentError(f"kernel must be '1', '2' or '3', got {kernel!r}")
+    dim = np.arange(head_size)
+    if kernel == "1":
+        return np.repeat(np.arange(block_size)[:, None], head_size, axis=1)
+    dims = head_size // WARP_SIZE
+    lane = dim % WARP_SIZE if kernel == "2" else dim // dims
+    return np.repeat(lane[None, :], block_size, axis=0)
+
+
+def draw_page_reads(block_size: int = 16, head_size: int = 128, figsize=(14, 7.5)) -> Figure:
+    """One K page (block_size tokens x head_size float32) coloured by the thread that reads each element,
+    for kernels 1, 2 and 3, with what ONE load instruction of a warp touches outlined in red."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    dims = head_size // WARP_SIZE
+    panels = [
+        ("1", f"kernel 1: thread t reads token t's whole row, one float per instruction.\n"
+              f"One warp instruction: float 0 of 32 rows ({min(block_size, WARP_SIZE)} in this page), "
+              f"{head_size * 4} bytes apart (not coalesced)"),
+        ("2", f"kernel 2: a warp per token; lane l reads dims l, l+32, ... ({dims} loads of 4 bytes).\n"
+              f"One warp instruction: 32 adjacent floats = 128 bytes (coalesced)"),
+        ("3", f"kernels 3 and 4: lane l reads dims {dims}l .. {dims}l+{dims - 1}, one {dims * 4}-byte load.\n"
+              f"One warp instruction: the whole row, {head_size * 4} adjacent bytes"),
+    ]  # fmt: skip
+    fig, axes = plt.subplots(3, 1, figsize=figsize)
+    for ax, (kernel, title) in zip(axes, panels, strict=True):
+        owner = page_read_owner(kernel, block_size, head_size)
+        ax.imshow(owner, cmap="viridis", aspect="auto", interpolation="nearest")
+        if kernel == "1":
+            ax.add_patch(Rectangle((-0.5, -0.5), 1, block_size, fill=False, ec="red", lw=2))
+        elif kernel == "2":
+            ax.add_patch(Rectangle((-0.5, -0.5), WARP_SIZE, 1, fill=False, ec="red", lw=2))
+        else:
+            ax.add_patch(Rectangle((-0.5, -0.5), head_size, 1, fill=False, ec="red", lw=2))
+        ax.set_title(title, fontsize=9, loc="left")
+        ax.set_ylabel("slot (token)")
+        ax.set_yticks(range(0, block_size, 4))
+    axes[-1].set_xlabel(
+        "head dimension (4 bytes each); colour: the thread (kernel 1) or lane that reads it, "
+        "dark = 0, yellow = the last; red: what one load instruction of a warp reads"
+    )
+    fig.tight_layout()
+    return fig
+
+
+def draw_token_mapping(
+    seq_len: int = 150,
+    block_size: int = 16,
+    tokens_per_step: int = 8,
+    num_warps: int = 8,
+    seed: int = 3,
+    figsize=(11, 4.6),
+) -> Figure:
+    """One sequence's tokens in their pages (one row per logical block, labelled with its physical page),
+    coloured by the warp that scores them: warp w takes tokens_per_step consecutive tokens, then the
+    next warp, round robin."""
+    import math
+    import random
+
+    import matplotlib.pyplot as plt
+
+    rng = random.Random(seed)
+    pages = rng.sample(range(4 * math.ceil(seq_len / block_size)), math.ceil(seq_len / block_size))
+    fig, ax = plt.subplots(figsize=figsize)
+    for t in range(seq_len):
+        row, col = divmod(t, block_size)
+        warp = (t // tokens_per_step) % num_warps
+        ax.add_patch(
+            plt.Rectangle((col, row), 1, 1, color=PALETTE[warp % len(PALETTE)], alpha=0.75, ec="white")
+        )
+        ax.text(col + 0.5, row + 0.5, t, ha="center", va="center", fontsize=7)
+    ax.set_xlim(0, block_size)
+    ax.set_ylim(len(pages), 0)
+    ax.set_yticks([r + 0.5 for r in range(len(pages))])
+    ax.set_yticklabels([f"block {r} -> page {p}" for r, p in enumerate(pages)])
+    ax.set_xticks([c + 0.5 for c in range(block_size)])
+    ax.set_xticklabels(range(block_size))
+    ax.set_xlabel("slot in page")
+    ax.set_title(f"which warp scores which token ({tokens_per_step} consecutive tokens per warp step)")
+    handles = [
+        plt.Rectangle((0, 0), 1, 1, color=PALETTE[w % len(PALETTE)], alpha=0.75) for w in range(num_warps)
+    ]
+    ax.legend(handles, [f"warp {w}" for w in range(num_warps)], loc="upper left", bbox_to_anchor=(1.0, 1.0),
+              fontsize=8)  # fmt: skip
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,148 @@
+"""The state behind the page-table explorer: a `BlockManager` with a prefix cache, and the token ids of
+every sequence, so that sharing can be tried by hand without a model.
+
+Every action is one manager call (or a few, undone together on an error) and returns a one-line message
+saying what happened: the slots written, copy-on-write pairs, prefix-cache hits, blocks that stay cached
+when a sequence is freed, cached blocks evicted to make room. Token ids are made up: each new token gets
+an id no other token has, so two sequences share a cached prefix only when one was started from the
+other's tokens (`add(..., prefix_of=seq)`). A block's tokens count as computed as soon as they are added
+(there is no model here), so full blocks are named in the prefix cache right away.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from vllmini.block_table import BlockManager
+from vllmini.checks import as_int
+from vllmini.errors import InvalidArgumentError
+from vllmini.viz.style import plural
+
+
+def _shown(slots: list[int]) -> str:
+    return str(slots) if len(slots) <= 8 else f"[{slots[0]}, ..., {slots[-1]}]"
+
+
+def _ids(seq_ids: list) -> str:
+    return f"seq {seq_ids[0]}" if len(seq_ids) == 1 else f"seqs {', '.join(map(str, seq_ids))}"
+
+
+class PageTablePlayground:
+    """Add, grow, fork, free and step sequences on one pool; all-or-nothing, each with a message."""
+
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
+        self.manager = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
+        self.next_seq_id = 0
+        self.tokens: dict[int, list[int]] = {}  # token ids of every sequence ever added (freed ones too)
+        self.hashes: dict[int, list[bytes]] = {}  # hash chain of each live sequence's full blocks
+        self.last_copies: list[tuple[int, int]] = []  # copy-on-write pairs of the last action
+        self._next_token = 0
+
+    @property
+    def live(self) -> list:
+        return self.manager.seq_ids
+
+    def _fresh(self, count: int) -> list[int]:
+        """`count` token ids never used before (so no accidental prefix-cache hit)."""
+        self._next_token += count
+        return list(range(self._next_token - count, self._next_token))
+
+    def _cached_free(self) -> dict[int, bytes]:
+        """Cached blocks nobody holds, with their hashes."""
+        cache = self.manager.prefix_cache
+        return {b: cache.hash_of(b) for b in cache.evictable} if cache is not None else {}
+
+    def _on_a_copy(self, change):
+        """Run `change(manager)` on a copy of the manager and keep the copy only if it succeeds: a
+        failed append must not even evict a cached block (BlockManager.append evicts before it checks)."""
+        trial = copy.deepcopy(self.manager)
+        result = change(trial)
+        self.manager = trial
+        return result
+
+    def _commit(self, seq_id, start: int) -> None:
+        """The tokens from `start` on count as computed: name the blocks they filled."""
+        end = self.manager.seq_len(seq_id)
+        self.manager.cache_full_blocks(seq_id, self.tokens[seq_id], self.hashes[seq_id], start, end)
+
+    def _finish(self, message: str, slots: list[int], cached_before: dict[int, bytes]) -> str:
+        """Take the action's copy-on-write pairs (the KV cache owner's job) and say what happened."""
+        self.last_copies = self.manager.take_pending_copies()
+        if slots:
+            message += f" → slots {_shown(slots)}"
+        for src, dst in self.last_copies:
+            message += f"; copy-on-write: block {src} → {dst}"
+        cache = self.manager.prefix_cache
+        # evicted: its hash entry is gone (the block may already be named again, for its new tokens)
+        evicted = sorted(b for b, h in cached_before.items() if cache is not None and cache.hash_of(b) != h)
+        if evicted:
+            blocks = "block" if len(evicted) == 1 else "blocks"
+            message += f"; evicted cached {blocks} {evicted} (least recently used)"
+        return message
+
+    def add(self, num_tokens: int, prefix_of=None) -> str:
+        """A new sequence of `num_tokens` tokens; with `prefix_of`, its first tokens are that sequence's
+        (live or freed), and its full blocks found in the prefix cache are shared, not allocated."""
+        num_tokens = as_int(num_tokens, "num_tokens", min=1)
+        if prefix_of is not None and prefix_of not in self.tokens:
+            raise InvalidArgumentError(f"prefix_of={prefix_of!r} is no sequence; known: {list(self.tokens)}")
+        head = self.tokens[prefix_of][:num_tokens] if prefix_of is not None else []
+        token_ids, hashes = head + self._fresh(num_tokens - len(head)), []
+        shared = self.manager.cached_prefix(token_ids, hashes)
+        seq_id, before = self.next_seq_id, self._cached_free()
+        slots = self.manager.allocate(seq_id, num_tokens, shared=shared)
+        self.next_seq_id += 1
+        self.tokens[seq_id], self.hashes[seq_id] = token_ids, hashes
+        self._commit(seq_id, 0)
+        message = f"added seq {seq_id} with {plural(num_tokens, 'token')}"
+        if prefix_of is not None:
+            message += f", the first {len(head)} from seq {prefix_of}"
+        if shared:
+            message += f"; prefix cache hit: shares {plural(len(shared), 'block')} {shared}"
+        return self._finish(message, slots, before)
+
+    def append(self, seq_id, num_tokens: int) -> str:
+        """Grow `seq_id` by `num_tokens` tokens (copy-on-write if its last block is shared and partial)."""
+        table = self.manager.block_table(seq_id)  # an unknown seq_id raises here, before any change
+        start, before = table.num_tokens, self._cached_free()
+        slots = self._on_a_copy(lambda manager: manager.append(seq_id, num_tokens))
+        self.tokens[seq_id] = self.tokens[seq_id][:start] + self._fresh(num_tokens)
+        self._commit(seq_id, start)
+        return self._finish(f"appended {plural(num_tokens, 'token')} to seq {seq_id}", slots, before)
+
+    def fork(self, seq_id, num_samples: int = 2) -> tuple[list[int], str]:
+        """Make `seq_id` one of `num_samples` samples: num_samples - 1 new sequences (the next ids) that
+        share every block of it (reference counts go up, nothing is allocated). Returns their ids."""
+        num_samples = as_int(num_samples, "num_samples", min=2)
+        self.manager.block_table(seq_id)  # an unknown seq_id raises here, before any change
+        children = list(range(self.next_seq_id, self.next_seq_id + num_samples - 1))
+        for child in children:
+            self.manager.fork(seq_id, child)
+            self.tokens[child], self.hashes[child] = list(self.tokens[seq_id]), list(self.hashes[seq_id])
+        self.next_seq_id += len(children)
+        return children, self._finish(f"forked seq {seq_id} into {_ids(children)}", [], {})
+
+    def free(self, seq_id) -> str:
+        """Finish `seq_id`: its blocks go back; full ones named in the prefix cache stay cached (free,
+        but findable by their hash until evicted)."""
+        before = self._cached_free()
+        self.manager.free(seq_id)
+        self.hashes.pop(seq_id, None)
+        kept = sorted(self._cached_free().keys() - before.keys())
+        message = f"freed seq {seq_id}"
+        if kept:
+            message += f"; {plural(len(kept), 'block')} {kept} stay cached (free, found again by their hash)"
+        return self._finish(message, [], before)
+
+    def step(self) -> str:
+        """One decode step: every live sequence samples one token (a copy-on-write where it writes into a
+        shared, partly filled block). All or nothing: if the pool runs out, nothing changes."""
+        seq_ids = self.live
+        if not seq_ids:
+            raise InvalidArgumentError("step needs a sequence: add one first")
+        before, starts = self._cached_free(), {s: self.manager.seq_len(s) for s in seq_ids}
+        slots = self._on_a_copy(lambda manager: [manager.append(s, 1)[0] for s in seq_ids])
+        for s in seq_ids:
+            self.tokens[s] = self.tokens[s][: starts[s]] + self._fresh(1)
+            self._commit(s, starts[s])
+        return self._finish(f"step: {_ids(seq_ids)} sampled 1 token each", slots, before)

@@ -1,0 +1,129 @@
+"""What a page-table picture needs, copied out of the live objects (so drawing can never change them).
+
+`snapshot` accepts a `BlockManager`, one `BlockTable`, or a dict seq_id -> table (a `BlockTable` or any
+table with the same four attributes, e.g. one a learner wrote) and returns a `Snapshot` of plain lists:
+the sequences to draw, every block's reference count and owners, the free list, pending copy-on-write
+pairs, and, for a manager with a prefix cache, which blocks are named by a hash and which of those are
+cached but free (reference count 0, evicted least recently used first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+from vllmini.allocator import BlockAllocator
+from vllmini.block_table import BlockManager, BlockTable, block_fill
+from vllmini.checks import as_index, as_pair
+from vllmini.errors import InvalidArgumentError, InvalidTypeError
+
+TABLE_ATTRS = ("block_ids", "num_tokens", "block_size", "allocator")
+
+
+@dataclass
+class Snapshot:
+    """Plain copies of everything the picture needs."""
+
+    block_size: int
+    num_blocks: int
+    seqs: list[tuple[object, list[int], int]]  # (seq_id, block_ids, num_tokens) of the sequences to draw
+    ref_counts: list[int]  # the allocator's, per physical block
+    free_ids: tuple[int, ...]  # the free list, next first
+    copies: list[tuple[int, int]]  # copy-on-write (src_block, dst_block) pairs: pending or just made
+    util: dict  # BlockManager.utilization() of the whole pool
+    owners: dict[int, list] = field(default_factory=dict)  # block -> seq_ids holding it (every sequence)
+    fill: dict[int, int] = field(default_factory=dict)  # block -> slots holding tokens
+    cached: set[int] = field(default_factory=set)  # blocks named in the prefix cache (in use or not)
+    cached_free: tuple[int, ...] = ()  # cached blocks nobody holds, least recently used (evicted) first
+
+    def pinned(self, block_id: int) -> bool:
+        """Held by no sequence and not by the cache: kept alive as the source of a pending copy."""
+        cache_hold = block_id in self.cached_free
+        return self.ref_counts[block_id] > len(self.owners.get(block_id, ())) + cache_hold
+
+
+def is_table(obj) -> bool:
+    """A BlockTable, or any page table with the same four attributes."""
+    return isinstance(obj, BlockTable) or all(hasattr(obj, a) for a in TABLE_ATTRS)
+
+
+def _manager_over(tables: dict, allocator: BlockAllocator, block_size: int) -> BlockManager:
+    """A BlockManager view of existing tables, so their utilization has one home (BlockManager's)."""
+    view = BlockManager.__new__(BlockManager)
+    view.allocator, view.block_size, view.watermark_blocks, view.prefix_cache = allocator, block_size, 0, None
+    view._tables = {
+        s: SimpleNamespace(_block_ids=list(t.block_ids), num_tokens=t.num_tokens) for s, t in tables.items()
+    }
+    return view
+
+
+def _tables_of(obj, allocator: BlockAllocator | None) -> tuple[dict, BlockAllocator]:
+    """The tables to draw and their allocator, checked."""
+    if isinstance(obj, BlockManager):
+        tables, allocator = {s: obj.block_table(s) for s in obj.seq_ids}, allocator or obj.allocator
+    elif is_table(obj):
+        tables = {0: obj}
+    elif isinstance(obj, dict):
+        tables = dict(obj)
+    else:
+        raise InvalidTypeError(
+            f"manager_or_tables must be a BlockManager, a BlockTable or a dict seq_id -> BlockTable, "
+            f"got {type(obj).__name__}"
+        )
+    for seq_id, table in tables.items():
+        if not is_table(table):
+            raise InvalidTypeError(
+                f"tables[{seq_id!r}] is a {type(table).__name__}, expected a BlockTable "
+                f"(or a table of your own with {', '.join(TABLE_ATTRS)})"
+            )
+    if allocator is None:
+        if not tables:
+            raise InvalidArgumentError("an empty dict of tables needs allocator= to know the pool")
+        allocator = next(iter(tables.values())).allocator
+    if not isinstance(allocator, BlockAllocator):
+        raise InvalidTypeError(f"allocator must be a BlockAllocator, got {type(allocator).__name__}")
+    if any(t.allocator is not allocator for t in tables.values()):
+        raise InvalidArgumentError("every table must use the allocator being drawn")
+    return tables, allocator
+
+
+def snapshot(manager_or_tables, allocator: BlockAllocator | None = None, seq_ids=None, copies=()) -> Snapshot:
+    """Copy what the picture needs; `copies` adds copy-on-write pairs already taken from the tables."""
+    obj = manager_or_tables
+    if isinstance(obj, Snapshot):  # taken earlier (the explorer takes it under its lock)
+        return obj
+    tables, allocator = _tables_of(obj, allocator)
+    sizes = {t.block_size for t in tables.values()}
+    if len(sizes) > 1:
+        raise InvalidArgumentError(f"all tables must share one block_size, got {sorted(sizes)}")
+    block_size = sizes.pop() if sizes else getattr(obj, "block_size", 1)
+    manager = obj if isinstance(obj, BlockManager) else _manager_over(tables, allocator, block_size)
+    cache = manager.prefix_cache
+    owners: dict[int, list] = {}
+    for seq_id, table in tables.items():
+        for block_id in table.block_ids:
+            owners.setdefault(block_id, []).append(seq_id)
+    pending = [tuple(pair) for t in tables.values() for pair in getattr(t, "pending_copies", [])]
+    if seq_ids is not None:
+        missing = [s for s in seq_ids if s not in tables]
+        if missing:
+            raise InvalidArgumentError(f"seq_ids {missing} not found; known: {list(tables)}")
+    drawn = tables if seq_ids is None else {s: tables[s] for s in seq_ids}
+    num_blocks = allocator.num_blocks
+    copies = [
+        tuple(as_index(b, f"copies[{i}] block", num_blocks) for b in as_pair(pair, f"copies[{i}]"))
+        for i, pair in enumerate(copies)
+    ]
+    return Snapshot(
+        block_size=block_size,
+        num_blocks=allocator.num_blocks,
+        seqs=[(s, list(t.block_ids), t.num_tokens) for s, t in drawn.items()],
+        ref_counts=[allocator.ref_count(b) for b in range(allocator.num_blocks)],
+        free_ids=allocator.free_block_ids,
+        copies=list(dict.fromkeys([*pending, *(tuple(pair) for pair in copies)])),
+        util=manager.utilization(),
+        owners=owners,
+        fill=block_fill(((t.block_ids, t.num_tokens) for t in tables.values()), block_size),
+        cached={b for b in range(allocator.num_blocks) if cache.is_cached(b)} if cache else set(),
+        cached_free=tuple(cache.evictable) if cache else (),
+    )

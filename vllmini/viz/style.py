@@ -1,0 +1,43 @@
+"""Colours and small helpers every picture in `vllmini.viz` shares."""
+
+from __future__ import annotations
+
+# tab10 without its grey (grey means "free" here)
+PALETTE = (
+    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
+    "#8c564b", "#e377c2", "#bcbd22", "#17becf",
+)  # fmt: skip
+FREE_FACE, FREE_EDGE = "#f3f3f3", "#b0b0b0"
+CACHED_FACE, CACHED_EDGE = "#e0f2f1", "#00897b"  # free, but still holding a cached prefix (hatched)
+HIGHLIGHT = "#ffd54f"  # the glow behind a block that was just copied (copy-on-write)
+ROW_HEIGHT = 0.8  # drawn height of a block row (rows are 1 apart)
+H = ROW_HEIGHT  # its old name, still importable
+
+PROMPT_FACE, OUTPUT_FACE, EMPTY_FACE, EMPTY_EDGE = "#4C72B0", "#DD8452", "#F4CCCC", "#C0392B"
+SCHEME_COLORS = {"static": "#C0392B", "pow2": "#8E44AD", "oracle": "#7F8C8D", "paged": "#27AE60"}
+POLICY_COLORS = {"static": "C3", "oracle": "C1", "paged": "C2"}
+
+
+def plural(count: int, word: str) -> str:
+    """'1 token', '2 tokens'."""
+    return f"{count} {word}" + ("" if count == 1 else "s")
+
+
+def seq_color(seq_id, order: int = 0) -> str:
+    """The colour of a sequence: fixed by an int seq_id (stable across redraws), else by its order."""
+    key = seq_id if isinstance(seq_id, int) and not isinstance(seq_id, bool) else order
+    return PALETTE[key % len(PALETTE)]
+
+
+def bare(ax, keep=("bottom",)) -> None:
+    """Hide the spines a schematic picture does not need."""
+    for side in ("top", "right", "left", "bottom"):
+        if side not in keep:
+            ax.spines[side].set_visible(False)
+
+
+def swatches(*styles: dict) -> list:
+    """Legend handles: one small rectangle per style dict (matplotlib Rectangle keyword arguments)."""
+    from matplotlib.patches import Rectangle
+
+    return [Rectangle((0, 0), 1, 1, **style) for style in styles]
