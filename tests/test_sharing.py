@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from vllmini import prefix_cache as pc
 from vllmini.block_table import BlockManager
 from vllmini.engine import LLMEngine, SamplingParams, sample_seed, sharing_summary
-from vllmini.errors import InvalidArgumentError, InvalidTypeError
+from vllmini.errors import InvalidArgumentError, InvalidTypeError, OutOfBlocksError
 from vllmini.model import LlamaModel
 
 transformers = pytest.importorskip("transformers")
@@ -118,6 +118,22 @@ def test_eviction_least_recently_used_tail_first_and_no_stale_hit():
     bm.allocate("d", 8)  # evicts a's head, then b's tail (least recently used first)
     assert not bm.prefix_cache.is_cached(a_blocks[0]) and not bm.prefix_cache.is_cached(b_blocks[1])
     assert bm.cached_prefix(second + [1], []) == b_blocks[:1]
+    check_pool(bm)
+
+
+def test_append_that_cannot_fit_evicts_nothing():
+    """An append too large for the pool fails before it evicts: the cached blocks stay cached."""
+    bm = _cached_manager(num_blocks=6)
+    _run_seq(bm, "a", list(range(8)))  # 2 full blocks, cached
+    bm.free("a")  # both stay cached but free
+    bm.allocate("b", 3)  # 1 block: 3 free blocks + 2 cached = 5 free
+    assert bm.num_cached_free_blocks == 2 and bm.num_free_blocks == 5
+    with pytest.raises(OutOfBlocksError, match="needs 6 new blocks"):
+        bm.append("b", 1 + 6 * BS)  # fills its block, then 6 more: one too many
+    assert bm.num_cached_free_blocks == 2 and bm.num_free_blocks == 5 and bm.seq_len("b") == 3
+    check_pool(bm)
+    bm.append("b", 1 + 5 * BS)  # exactly fits: evicts both cached blocks
+    assert bm.num_cached_free_blocks == 0 and bm.num_free_blocks == 0
     check_pool(bm)
 
 

@@ -272,7 +272,13 @@ class BlockManager:
     def append(self, seq_id, num_tokens: int = 1) -> list[int]:
         """Grow `seq_id` by `num_tokens` tokens; returns the new tokens' slots."""
         table = self.block_table(seq_id)
-        self._make_room(table.num_new_blocks(num_tokens))
+        needed = table.num_new_blocks(num_tokens)
+        if needed > self.num_free_blocks:  # checked before evicting: a failed append keeps the cache
+            raise OutOfBlocksError(
+                f"seq {seq_id!r} needs {needed} new blocks to grow by {num_tokens} tokens, but only "
+                f"{self.num_free_blocks} are free ({self.num_cached_free_blocks} of them cached)"
+            )
+        self._make_room(needed)
         return table.append_tokens(num_tokens)
 
     # ----------------------------------------------------------------------------------------------

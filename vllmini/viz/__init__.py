@@ -6,13 +6,15 @@ One module per kind of picture; every public name is importable from `vllmini.vi
   painted (`draw_page_table`), with sharing: several arrows into one page, reference counts,
   copy-on-write pairs, cached-but-free pages; `snapshot`: what it reads from a `BlockManager`.
 - `explorer` (+ `explorer_widgets`, `playground`): `PageTableExplorer`, the picture with buttons.
-- `course`: notebooks 01, 04 and 09; `serving`: notebook 06; `cuda`: notebooks 05a and 05b;
+- `blocks`: notebooks 02 and 04 (the pool over time, the slots a query reads); `course`: notebooks 01,
+  04 and 09; `serving`: notebook 06; `cuda`: notebooks 05a and 05b;
   `kernel_perf`: notebook 07; `style`: the shared colours.
 
 Viz only reads the state it draws (the explorer changes only the pool it owns). matplotlib and
 ipywidgets are imported inside the functions that need them, so `import vllmini` stays light.
 """
 
+from vllmini.viz.blocks import draw_pool_history, draw_slots_read
 from vllmini.viz.course import (
     PIPELINE,
     draw_causal_mask,
@@ -69,7 +71,8 @@ __all__ = [
     "OUTPUT_FACE", "PALETTE", "PIPELINE", "POLICY_COLORS", "PROMPT_FACE", "ROW_HEIGHT", "SCHEME_COLORS",
     "TIMELINE_STATES", "WARP_SIZE", "PageTableExplorer", "PageTableLayout", "butterfly_steps",
     "draw_butterfly", "draw_causal_mask", "draw_cuda_hierarchy", "draw_flat_batch", "draw_online_softmax",
-    "draw_page_reads", "draw_page_table", "draw_pipeline", "draw_prefill_and_decode", "draw_reservations",
+    "draw_page_reads", "draw_page_table", "draw_pool_history", "draw_slots_read", "draw_pipeline",
+    "draw_prefill_and_decode", "draw_reservations",
     "draw_token_mapping", "online_softmax_trace", "page_read_owner", "page_table_layout",
     "plot_decode_roofline", "plot_engine_experiment", "plot_kernel_work_split", "plot_latency_vs_rate",
     "plot_length_sweeps", "plot_pool_and_batch", "plot_recorded_bandwidth", "plot_request_timeline",

@@ -296,16 +296,17 @@ def draw_flat_batch(
 
 PIPELINE = (  # (package piece, what it does, notebook)
     ("BlockAllocator", "free list + ref counts\nof physical block ids", "02"),
-    ("BlockManager", "page tables: logical ->\nphysical, slot mapping", "03"),
+    ("BlockManager", "page tables, slots;\nsharing, prefix cache", "03, 08"),
     ("PagedKVCache", "K/V pools; writes through\nthe slot mapping", "04"),
-    ("paged_attention", "reads K/V through the\nblock table (torch, CUDA)", "04, 05, 07"),
+    ("paged_attention", "reads K/V through the\nblock table (torch, CUDA)", "04, 05b, 07"),
     ("LlamaModel", "a flat batch of prefills\nand decodes per forward", "06"),
     ("Scheduler", "admit, grow, preempt,\nfree: each step", "06"),
     ("LLMEngine", "requests in, tokens out;\nstats per step", "06"),
+    ("serving", "requests arriving over\ntime; latency vs rate", "06"),
 )
 
 
-def draw_pipeline(*, figsize: tuple[float, float] = (13, 3.2)) -> Figure:
+def draw_pipeline(*, figsize: tuple[float, float] = (15, 3.2)) -> Figure:
     """The whole of vllmini as one row of boxes, lowest layer on the left, with the notebook that
     builds each piece; data flows left to right, nothing imports a box to its right."""
     import matplotlib.pyplot as plt
@@ -330,7 +331,9 @@ def draw_pipeline(*, figsize: tuple[float, float] = (13, 3.2)) -> Figure:
         )
         if i < num_boxes - 1:
             ax.annotate("", (x + 1.88, 0.65), (x + 1.66, 0.65), arrowprops=dict(arrowstyle="->", lw=1.5))
-    flow = "block ids  ->  page tables  ->  KV cache  ->  attention  ->  model  ->  scheduler  ->  engine"
+    flow = "  ->  ".join(
+        ["block ids", "page tables", "KV cache", "attention", "model", "scheduler", "engine", "serving"]
+    )
     ax.text(0, 1.7, flow, fontsize=9, color="#555555")
     ax.set_xlim(-0.2, num_boxes * 1.9)
     ax.set_ylim(-0.5, 1.95)

@@ -1,10 +1,9 @@
-"""Two pictures of the course that were plotting cells of their notebooks (02 and 04).
+"""The block pool over time (notebook 02) and the slots one query reads through its page table (04).
 
     draw_pool_history(history, num_blocks)            # notebook 02: the pool after each operation
     draw_slots_read(ax, key_cache, block_tables, seq_lens, seq)   # notebook 04: what one query reads
 
-Like `vllmini.viz`, this module only reads what it draws, and nothing in the package imports it. It is
-meant to move into `vllmini.viz` (once that is a package) under the same names.
+It only reads what it draws.
 """
 
 from __future__ import annotations
