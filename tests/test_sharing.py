@@ -50,7 +50,7 @@ def check_pool(bm: BlockManager) -> None:
     owners = Counter(b for s in bm.seq_ids for b in bm.block_table(s).block_ids)
     evictable = set(cache.evictable) if cache is not None else set()
     free = set(a.free_block_ids)
-    assert not bm._pinned and all(not bm.block_table(s).pending_copies for s in bm.seq_ids)
+    assert not bm.num_pinned_blocks and all(not bm.block_table(s).pending_copies for s in bm.seq_ids)
     for b in range(bm.num_blocks):
         assert a.ref_count(b) == owners[b] + (b in evictable), b
     assert free.isdisjoint(owners) and free.isdisjoint(evictable) and evictable.isdisjoint(owners)

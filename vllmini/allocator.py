@@ -64,7 +64,7 @@ class BlockAllocator:
 
     def free(self, block_id: int) -> None:
         """Drop one reference to `block_id`; the block returns to the pool when none are left."""
-        block_id = self._check_allocated(block_id, "free")
+        block_id = self.check_allocated(block_id, "free")
         self._ref_counts[block_id] -= 1
         if self._ref_counts[block_id] == 0:
             del self._ref_counts[block_id]
@@ -72,11 +72,11 @@ class BlockAllocator:
 
     def incref(self, block_id: int) -> None:
         """Add one owner to an allocated block (sharing it, e.g. between a parent and a forked child)."""
-        self._ref_counts[self._check_allocated(block_id, "incref")] += 1
+        self._ref_counts[self.check_allocated(block_id, "incref")] += 1
 
     def fork(self, block_ids: Sequence[int]) -> list[int]:
         """Share every block in `block_ids` with one more owner; all-or-nothing. Returns the ids."""
-        ids = [self._check_allocated(b, "fork") for b in block_ids]  # check them all before changing any
+        ids = [self.check_allocated(b, "fork") for b in block_ids]  # check them all before changing any
         for block_id in ids:
             self._ref_counts[block_id] += 1
         return ids
@@ -90,7 +90,8 @@ class BlockAllocator:
             raise BlockIdError(f"unknown block id {block_id}: expected 0 <= block_id < {self.num_blocks}")
         return block_id
 
-    def _check_allocated(self, block_id, action: str) -> int:
+    def check_allocated(self, block_id, action: str) -> int:
+        """`block_id` as an int if it is allocated; BlockIdError naming `action` otherwise."""
         block_id = self._check_id(block_id)
         if block_id not in self._ref_counts:
             raise BlockIdError(f"cannot {action} block {block_id}: it is free (not allocated)")

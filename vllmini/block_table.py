@@ -54,6 +54,25 @@ def block_fill(tables: Iterable[tuple[Sequence[int], int]], block_size: int) -> 
     return filled
 
 
+def pool_utilization(tables: Iterable[tuple[Sequence[int], int]], block_size: int, num_blocks: int,
+                     used_blocks: int) -> dict:  # fmt: skip
+    """How well a pool of `num_blocks` is used by sequences given as (block_ids, num_tokens) pairs, of
+    which `used_blocks` blocks are held. num_tokens counts the physical slots that hold a token (a block
+    shared after a fork counts once); allocated_slots = used_blocks * block_size; pool_slots =
+    num_blocks * block_size. The one home of these figures (BlockManager.utilization, the pictures)."""
+    num_tokens = sum(block_fill(tables, block_size).values())
+    allocated_slots, pool_slots = used_blocks * block_size, num_blocks * block_size
+    return {
+        "num_tokens": num_tokens,
+        "allocated_slots": allocated_slots,
+        "pool_slots": pool_slots,
+        "used_blocks": used_blocks,
+        "free_blocks": num_blocks - used_blocks,
+        "token_utilization": num_tokens / allocated_slots if allocated_slots else 1.0,
+        "pool_utilization": num_tokens / pool_slots,
+    }
+
+
 class BlockTable:
     """One sequence's page table: logical block i -> physical block id."""
 
@@ -213,7 +232,7 @@ class BlockManager:
     # admission and growth
 
     def _check_shared(self, num_tokens: int, shared) -> list[int]:
-        shared = [self.allocator._check_allocated(b, "share") for b in shared]
+        shared = [self.allocator.check_allocated(b, "share") for b in shared]
         if len(set(shared)) != len(shared):
             raise InvalidArgumentError(f"shared blocks must be distinct, got {shared}")
         if len(shared) * self.block_size > num_tokens:
@@ -404,26 +423,16 @@ class BlockManager:
         return block_tables, seq_lens
 
     def utilization(self) -> dict:
-        """How well the pool is used.
-
-        num_tokens counts the physical slots that hold a token (a block shared after a fork counts once);
-        allocated_slots = used_blocks * block_size; pool_slots = num_blocks * block_size. used_blocks
-        are held by sequences (or pinned for a copy); free_blocks include the cached ones nobody holds.
-        """
-        tables = ((t._block_ids, t.num_tokens) for t in self._tables.values())
-        num_tokens = sum(block_fill(tables, self.block_size).values())
+        """How well the pool is used (`pool_utilization`). used_blocks are held by sequences (or pinned
+        for a copy); free_blocks include the cached ones nobody holds."""
+        tables = ((t.block_ids, t.num_tokens) for t in self._tables.values())
         used = self.allocator.num_used_blocks - self.num_cached_free_blocks
-        allocated_slots = used * self.block_size
-        pool_slots = self.num_blocks * self.block_size
-        return {
-            "num_tokens": num_tokens,
-            "allocated_slots": allocated_slots,
-            "pool_slots": pool_slots,
-            "used_blocks": used,
-            "free_blocks": self.num_free_blocks,
-            "token_utilization": num_tokens / allocated_slots if allocated_slots else 1.0,
-            "pool_utilization": num_tokens / pool_slots,
-        }
+        return pool_utilization(tables, self.block_size, self.num_blocks, used)
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        """Freed blocks kept alive only as the source of a copy not yet taken (`take_pending_copies`)."""
+        return len(self._pinned)
 
     def sharing(self) -> dict:
         """What sharing saves right now.

@@ -486,7 +486,7 @@ class Scheduler:
         num_tokens, shared = sum(s.num_tokens for s in self.running), 0
         used = bm.num_blocks - bm.num_free_blocks
         logical = sum(bm.block_table(s.seq_id).num_blocks for s in self.running)
-        if logical > used - len(bm._pinned):  # some physical block has several owners
+        if logical > used - bm.num_pinned_blocks:  # some physical block has several owners
             num_tokens, shared = bm.utilization()["num_tokens"], bm.sharing()["shared_blocks"]
         return {
             "num_tokens": num_tokens,

@@ -10,10 +10,9 @@ cached but free (reference count 0, evicted least recently used first).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 from vllmini.allocator import BlockAllocator
-from vllmini.block_table import BlockManager, BlockTable, block_fill
+from vllmini.block_table import BlockManager, BlockTable, block_fill, pool_utilization
 from vllmini.checks import as_index, as_pair
 from vllmini.errors import InvalidArgumentError, InvalidTypeError
 
@@ -45,16 +44,6 @@ class Snapshot:
 def is_table(obj) -> bool:
     """A BlockTable, or any page table with the same four attributes."""
     return isinstance(obj, BlockTable) or all(hasattr(obj, a) for a in TABLE_ATTRS)
-
-
-def _manager_over(tables: dict, allocator: BlockAllocator, block_size: int) -> BlockManager:
-    """A BlockManager view of existing tables, so their utilization has one home (BlockManager's)."""
-    view = BlockManager.__new__(BlockManager)
-    view.allocator, view.block_size, view.watermark_blocks, view.prefix_cache = allocator, block_size, 0, None
-    view._tables = {
-        s: SimpleNamespace(_block_ids=list(t.block_ids), num_tokens=t.num_tokens) for s, t in tables.items()
-    }
-    return view
 
 
 def _tables_of(obj, allocator: BlockAllocator | None) -> tuple[dict, BlockAllocator]:
@@ -97,8 +86,14 @@ def snapshot(manager_or_tables, allocator: BlockAllocator | None = None, seq_ids
     if len(sizes) > 1:
         raise InvalidArgumentError(f"all tables must share one block_size, got {sorted(sizes)}")
     block_size = sizes.pop() if sizes else getattr(obj, "block_size", 1)
-    manager = obj if isinstance(obj, BlockManager) else _manager_over(tables, allocator, block_size)
-    cache = manager.prefix_cache
+    if isinstance(obj, BlockManager):
+        util, cache = obj.utilization(), obj.prefix_cache
+    else:  # bare tables: every block in use is theirs
+        fills = ((t.block_ids, t.num_tokens) for t in tables.values())
+        util, cache = (
+            pool_utilization(fills, block_size, allocator.num_blocks, allocator.num_used_blocks),
+            None,
+        )
     owners: dict[int, list] = {}
     for seq_id, table in tables.items():
         for block_id in table.block_ids:
@@ -121,7 +116,7 @@ def snapshot(manager_or_tables, allocator: BlockAllocator | None = None, seq_ids
         ref_counts=[allocator.ref_count(b) for b in range(allocator.num_blocks)],
         free_ids=allocator.free_block_ids,
         copies=list(dict.fromkeys([*pending, *(tuple(pair) for pair in copies)])),
-        util=manager.utilization(),
+        util=util,
         owners=owners,
         fill=block_fill(((t.block_ids, t.num_tokens) for t in tables.values()), block_size),
         cached={b for b in range(allocator.num_blocks) if cache.is_cached(b)} if cache else set(),
