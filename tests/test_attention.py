@@ -286,6 +286,21 @@ def test_prefill_strided_inputs():
     assert_close(paged_prefill_attention(*args), ref)
 
 
+@given(
+    seed=st.integers(0, 2**16),
+    layout=st.sampled_from([(4, 4), (4, 2), (4, 1), (6, 3)]),
+    block_size=st.sampled_from([1, 4, 16]),
+    lens=st.lists(st.tuples(st.integers(1, 40), st.integers(0, 39)), min_size=1, max_size=5),
+)
+def test_prefill_property_ragged_chunks_gqa(seed, layout, block_size, lens):
+    """The one-call batched prefill against float64, token by token: ragged lengths, GQA/MQA, and
+    chunks that start at any position k > 0 (query rows are the last n of seq_len)."""
+    seq_lens = [s for s, _ in lens]
+    query_lens = [s - min(k, s - 1) for s, k in lens]  # k tokens already cached, the rest new
+    case = make_prefill_case(seed, *layout, 16, block_size, seq_lens, query_lens)
+    assert_close(prefill(case), reference_prefill(case))
+
+
 def test_chunked_prefill_equals_whole_prefill():
     """Prefilling a prompt in chunks gives the same outputs as in one go."""
     whole = make_prefill_case(14, 4, 2, 64, 8, (23,), (23,))

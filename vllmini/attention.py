@@ -374,28 +374,46 @@ def _decode_torch(a: DecodeArgs, min_seq_len: int) -> torch.Tensor:
     return out.reshape(num_seqs, num_heads, head_size)
 
 
-def _prefill_torch(a: PrefillArgs, lens: list[int], starts: list[int]) -> torch.Tensor:
-    """Naive paged prefill, one sequence at a time: gather its pages, then causal attention.
-    lens/starts: seq_lens and query_start_loc as host lists (from validation: no further sync)."""
+def _prefill_torch(a: PrefillArgs, lens: np.ndarray, starts: np.ndarray) -> torch.Tensor:
+    """Paged prefill for the whole batch in one attention call, no loop over sequences: gather every
+    sequence's pages into a padded (S, L, kvh, hs) tensor with one index, lay the new tokens out on a
+    padded (S, N) grid, and run one SDPA with a mask that is causal (query row j of sequence s sits at
+    position lens[s] - n_s + j, so a chunk that starts at k > 0 works) and cuts each sequence at its length.
+    lens/starts: seq_lens and query_start_loc on the host (from validation: the indices below need no sync)."""
     q, kc, vc = a.query, a.key_cache, a.value_cache
-    num_heads, head_size = q.shape[1], q.shape[2]
+    num_tokens, num_heads, head_size = q.shape
     block_size, num_kv_heads = kc.shape[1], kc.shape[2]
-    group = num_heads // num_kv_heads
-    acc = _acc_dtype(q.dtype)
-    out = torch.empty_like(q)
-    for i, seq_len in enumerate(lens):
-        start, end = starts[i], starts[i + 1]
-        n = end - start  # new tokens: positions seq_len - n .. seq_len - 1
-        pages = a.block_tables[i, : cdiv(seq_len, block_size)].long()
-        k = kc[pages].flatten(0, 1)[:seq_len].to(acc)  # (L, kvh, hs)
-        v = vc[pages].flatten(0, 1)[:seq_len].to(acc)
-        qi = q[start:end].view(n, num_kv_heads, group, head_size).to(acc)  # (n, kvh, G, hs)
-        scores = torch.einsum("qkgd,lkd->kgql", qi, k) * a.scale  # (kvh, G, n, L)
-        q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
-        future = torch.arange(seq_len, device=q.device)[None, :] > q_pos[:, None]  # (n, L)
-        probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
-        out[start:end] = torch.einsum("kgql,lkd->qkgd", probs, v).reshape(n, num_heads, head_size)
-    return out
+    group = num_heads // num_kv_heads  # query heads per kv head
+    S, L, N, device = len(lens), a.max_seq_len, a.max_query_len, q.device
+    q_lens = np.diff(starts)  # (S,) new tokens of each sequence
+    # where each new token sits on the (S, N) grid, and where each grid row sits in the sequence
+    rows = np.repeat(np.arange(S) * N - starts[:-1], q_lens) + np.arange(num_tokens)  # (T,)
+    q_pos = (lens - q_lens)[:, None] + np.arange(N)[None, :]  # (S, N); rows past n_s: padding
+    rows, q_pos, lens_d = (torch.from_numpy(x).to(device) for x in (rows, q_pos, lens))
+    nb = cdiv(L, block_size)
+    pages = a.block_tables[:, :nb].long()  # (S, nb)
+    used = torch.arange(nb, device=device)[None, :] * block_size < lens_d[:, None]  # (S, nb)
+    pages = torch.where(used, pages, 0)  # padding entries may hold anything: read page 0 (zeroed below)
+    acc = q.dtype if device.type == "cuda" else _acc_dtype(q.dtype)  # CUDA SDPA accumulates in float32
+    k = kc[pages].flatten(1, 2)[:, :L].to(acc)  # (S, nb, bs, kvh, hs) -> (S, L, kvh, hs), a fresh copy
+    v = vc[pages].flatten(1, 2)[:, :L].to(acc)
+    positions = torch.arange(L, device=device)
+    valid = positions[None, :] < lens_d[:, None]  # (S, L)
+    if int(lens.min()) < L:  # stale slots past a length may hold NaN: a mask is not enough (0 * NaN)
+        k.masked_fill_(~valid[:, :, None, None], 0)
+        v.masked_fill_(~valid[:, :, None, None], 0)
+    allowed = positions[None, None, :] <= q_pos[:, :, None]  # (S, N, L); position 0 always: no empty row
+    grid = q.new_zeros(S * N, num_heads, head_size, dtype=acc)
+    grid[rows] = q.to(acc)  # (S*N, nh, hs): the new tokens, padded per sequence to N rows
+    # GQA: the G query heads of a kv head become G x N query rows of that head (each kv head read once)
+    qg = grid.view(S, N, num_kv_heads, group, head_size).permute(0, 2, 3, 1, 4)  # (S, kvh, G, N, hs)
+    qg = qg.reshape(S, num_kv_heads, group * N, head_size)
+    mask = allowed[:, None, None].expand(S, 1, group, N, L).reshape(S, 1, group * N, L)
+    out = F.scaled_dot_product_attention(
+        qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=a.scale
+    )  # (S, kvh, G*N, hs)
+    out = out.view(S, num_kv_heads, group, N, head_size).permute(0, 3, 1, 2, 4)  # (S, N, kvh, G, hs)
+    return out.reshape(S * N, num_heads, head_size)[rows].to(q.dtype)  # (T, nh, hs)
 
 
 # ----------------------------------------------------------------------------- dispatch
@@ -588,4 +606,4 @@ def paged_prefill_attention(
     )
     if a.query.shape[0] == 0:
         return torch.empty_like(a.query)
-    return _prefill_torch(a, lens.tolist(), starts.tolist())
+    return _prefill_torch(a, lens, starts.astype(np.int64))

@@ -166,10 +166,40 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # (num_seqs + 1,) int32: cumulative new tokens
     num_prefills: int  # the first num_prefills sequences use the prefill path
     num_prefill_tokens: int  # = query_start_loc[num_prefills]
+    # True once `check_on_host` passed (the forward then skips its own checks, each a sync on a GPU)
+    host_checked: bool = False
+    # slot_mapping may hold -1 rows that were not checked (a CUDA graph's padding): see reshape_and_cache
+    has_padding: bool = False
     last_token_indices: torch.Tensor = field(init=False)  # (num_seqs,) int64: each sequence's last token
 
     def __post_init__(self):
         self.last_token_indices = self.query_start_loc[1:].to(torch.int64) - 1
+
+    def check_on_host(self, num_blocks: int, block_size: int, *, tables: bool = True) -> None:
+        """Check slot_mapping (and, with tables, the decode rows' block tables) while they are still on
+        the host (free for CPU tensors), so the GPU forward needs no sync for it. The engine calls this
+        on the metadata it builds on the CPU, then `to(device)`."""
+        check_slot_mapping(self.slot_mapping, num_blocks * block_size, allow_padding=False)
+        if tables and self.num_decodes:
+            n = self.num_prefills
+            check_block_tables(self.block_tables[n:], self.seq_lens[n:], num_blocks, block_size)
+        self.host_checked = True
+
+    def to(self, device) -> AttentionMetadata:
+        """A copy on `device`. From the CPU to CUDA through pinned memory, non-blocking: no host sync."""
+        device = torch.device(device)
+        pin = device.type == "cuda" and self.seq_lens.device.type == "cpu"
+        move = (lambda t: t.pin_memory().to(device, non_blocking=True)) if pin else (lambda t: t.to(device))
+        return AttentionMetadata(
+            slot_mapping=move(self.slot_mapping),
+            block_tables=move(self.block_tables),
+            seq_lens=move(self.seq_lens),
+            query_start_loc=move(self.query_start_loc),
+            num_prefills=self.num_prefills,
+            num_prefill_tokens=self.num_prefill_tokens,
+            host_checked=self.host_checked,
+            has_padding=self.has_padding,
+        )
 
     @property
     def num_seqs(self) -> int:
@@ -288,7 +318,9 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)  # (T, nkv, hd)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # new tokens into their slots; the model checked slot_mapping and block_tables once this forward
-        reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, validate=False)
+        reshape_and_cache(
+            k, v, key_cache, value_cache, meta.slot_mapping, validate=False, padding=meta.has_padding
+        )
         out = torch.empty_like(q)  # (T, nh, hd)
         P, n = meta.num_prefill_tokens, meta.num_prefills
         if n:  # only the torch backend has a prefill path
@@ -400,10 +432,10 @@ class LlamaModel(nn.Module):
                 f"meta.slot_mapping must be [num_tokens] = [{input_ids.shape[0]}], "
                 f"got {tuple(meta.slot_mapping.shape)}"
             )
-        check_slot_mapping(meta.slot_mapping, num_blocks * block_size, allow_padding=False)
-        if meta.num_decodes and not guarded_by_default(
-            backend, input_ids.device, kv_cache.key_caches[0].dtype
-        ):
+        guarded = guarded_by_default(backend, input_ids.device, kv_cache.key_caches[0].dtype)
+        if not meta.host_checked:
+            check_slot_mapping(meta.slot_mapping, num_blocks * block_size, allow_padding=False)
+        if meta.num_decodes and not guarded and not meta.host_checked:
             n = meta.num_prefills  # (with the guard: no sync here; the engine calls check_kernel_errors)
             check_block_tables(meta.block_tables[n:], meta.seq_lens[n:], num_blocks, block_size)
         x = self.embed_tokens(input_ids)  # (T, hidden)
