@@ -549,11 +549,11 @@ def test_a_failure_in_every_forward_is_rolled_back(model, prompts, clean_run, er
 
 def test_ctrl_c_while_sampling_restores_the_generators(model, prompts, clean_run, monkeypatch):
     """A KeyboardInterrupt after some sequences already drew from their generators: rolled back too."""
-    import vllmini.engine as engine_module
+    import vllmini.sampling as sampling_module
 
     engine, calls = _small_engine(model), {}
 
-    draw = engine_module._draw  # the per-request part of sampling: one draw from the request's generator
+    draw = sampling_module._draw  # the per-request part of sampling: one draw from the request's generator
 
     def interrupted_sample(probs, params, generator):
         step = len(engine.stats)
@@ -563,7 +563,7 @@ def test_ctrl_c_while_sampling_restores_the_generators(model, prompts, clean_run
             raise KeyboardInterrupt
         return token
 
-    monkeypatch.setattr(engine_module, "_draw", interrupted_sample)
+    monkeypatch.setattr(sampling_module, "_draw", interrupted_sample)
     outputs, failures = _run(engine, _requests(prompts), errors=(KeyboardInterrupt,))
     assert failures > 3
     assert _summary(engine, outputs) == clean_run
@@ -628,19 +628,19 @@ def test_real_ctrl_c_in_forward_and_in_commit(model, prompts):
 
 
 def test_a_sampling_failure_finishes_only_that_request(model, prompts, clean_run, monkeypatch):
-    import vllmini.engine as engine_module
+    import vllmini.sampling as sampling_module
 
     requests = _requests(prompts)
     bad = requests[3][1]  # a sampled request
 
-    draw = engine_module._draw
+    draw = sampling_module._draw
 
     def failing_sample(probs, params, generator):
         if params is bad:
             raise RuntimeError("probability tensor contains either inf, nan or element < 0")
         return draw(probs, params, generator)
 
-    monkeypatch.setattr(engine_module, "_draw", failing_sample)
+    monkeypatch.setattr(sampling_module, "_draw", failing_sample)
     engine = _small_engine(model)
     outputs, failures = _run(engine, requests)
     assert failures == 0

@@ -9,7 +9,7 @@ at once draws exactly the tokens a per-request sampler draws.
 import pytest
 import torch
 
-import vllmini.engine as engine_module
+import vllmini.sampling as sampling_module
 from vllmini.engine import LLMEngine, Logprob, SamplingParams, sample_batch
 from vllmini.errors import InvalidArgumentError, InvalidTypeError
 from vllmini.model import LlamaModel
@@ -319,8 +319,8 @@ def test_batched_sampling_draws_what_each_request_would_alone(monkeypatch):
         SamplingParams(temperature=1.0, top_p=0.05),
     ]
     draws = []
-    real_draw = engine_module._draw
-    monkeypatch.setattr(engine_module, "_draw", lambda *a: draws.append(1) or real_draw(*a))
+    real_draw = sampling_module._draw
+    monkeypatch.setattr(sampling_module, "_draw", lambda *a: draws.append(1) or real_draw(*a))
     for trial in range(30):
         rng = torch.Generator().manual_seed(trial)
         n = int(torch.randint(1, 12, (1,), generator=rng))

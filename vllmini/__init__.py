@@ -35,16 +35,16 @@ _EXPORTS = {
     "LlamaModel": "model",
     "Sequence": "scheduler",
     "Scheduler": "scheduler",
-    "SamplingParams": "engine",
-    "EngineConfig": "engine",
-    "RequestOutput": "engine",
-    "CompletionOutput": "engine",
-    "Logprob": "engine",
+    "SamplingParams": "sampling",
+    "EngineConfig": "config",
+    "RequestOutput": "outputs",
+    "CompletionOutput": "outputs",
+    "Logprob": "outputs",
     "LLMEngine": "engine",
 }
 _SUBMODULES = set(
     "errors checks memory allocator block_table prefix_cache kv_cache attention cuda_kernels emulator "
-    "model scheduler engine serving exercises viz".split()
+    "model scheduler sampling outputs config engine serving exercises viz".split()
 )
 
 __all__ = sorted(_EXPORTS)

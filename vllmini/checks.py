@@ -123,3 +123,27 @@ def check_tensor(
             want = f"{shape_desc} = {want}" if shape_desc else f"of shape {want}"
             raise InvalidArgumentError(f"{name} must be {want}, got shape {tuple(t.shape)}")
     return t
+
+
+def as_bool(value, name: str) -> bool:
+    """`value` if it is a bool (numpy's or torch's too); ints and strings are refused."""
+    if not _is_bool(value) or getattr(value, "ndim", 0) != 0:
+        raise InvalidTypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+def as_token_ids(values, name: str) -> list[int]:
+    """A list of token ids from a list/tuple/range of ints or a 1-D integer tensor or array."""
+    if hasattr(values, "dtype") and hasattr(values, "tolist"):  # a torch tensor or numpy array
+        kind = str(values.dtype)
+        if values.ndim != 1 or "int" not in kind:  # floats, complex and bool are refused
+            raise InvalidTypeError(
+                f"{name} must be a 1-D integer tensor or array, got {values.dtype} of shape "
+                f"{tuple(values.shape)}"
+            )
+        values = values.tolist()
+    elif not isinstance(values, (list, tuple, range)):
+        raise InvalidTypeError(
+            f"{name} must be a list of int token ids, got {type(values).__name__} {values!r}"
+        )
+    return [as_int(v, f"{name}[{i}]") for i, v in enumerate(values)]

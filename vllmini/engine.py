@@ -38,418 +38,28 @@ import random
 import signal
 import threading
 import time
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import replace
 
 import numpy as np
 import torch
 
-from vllmini.attention import BACKENDS, check_kernel_errors
-from vllmini.checks import as_float, as_int, cdiv, one_of
+from vllmini.attention import check_kernel_errors
+from vllmini.checks import as_int, as_token_ids, cdiv
+from vllmini.config import EngineConfig, make_config
 from vllmini.errors import EngineStateError, InvalidArgumentError, InvalidTypeError
 from vllmini.kv_cache import PagedKVCache
 from vllmini.model import LlamaModel
-from vllmini.scheduler import Scheduler, Sequence, SequenceStatus, check_policy
+from vllmini.outputs import CompletionOutput, Logprob, RequestOutput, StepStats, sharing_summary
+from vllmini.sampling import SamplingParams, sample, sample_batch, sample_seed, token_logprobs
+from vllmini.scheduler import Scheduler, Sequence, SequenceStatus
 
-GREEDY_BELOW = 1e-5  # temperatures below this count as 0 (greedy): dividing by them overflows (as vLLM)
 STOP_WINDOW = 8  # tokens decoded beyond a stop string's length to look for it (tokens may decode to "")
-OUTPUT_KINDS = ("final_only", "cumulative", "delta")  # what step() returns of a request (vLLM's names)
 
-
-def _as_bool(value, name: str) -> bool:
-    """`value` if it is a bool (numpy's too); ints and strings are refused."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise InvalidTypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
-    return bool(value)
-
-
-def _as_token_ids(values, name: str) -> list[int]:
-    """A list of token ids from a list/tuple/range of ints or a 1-D integer tensor or array."""
-    if isinstance(values, (torch.Tensor, np.ndarray)):
-        if isinstance(values, torch.Tensor):
-            is_int = not (
-                values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool
-            )
-        else:
-            is_int = np.issubdtype(values.dtype, np.integer)  # bool is not
-        if values.ndim != 1 or not is_int:
-            raise InvalidTypeError(
-                f"{name} must be a 1-D integer tensor or array, got {values.dtype} of shape "
-                f"{tuple(values.shape)}"
-            )
-        values = values.tolist()
-    elif not isinstance(values, (list, tuple, range)):
-        raise InvalidTypeError(
-            f"{name} must be a list of int token ids, got {type(values).__name__} {values!r}"
-        )
-    return [as_int(v, f"{name}[{i}]") for i, v in enumerate(values)]
-
-
-@dataclass
-class SamplingParams:
-    """How to pick each next token. temperature 0 = greedy; top_k None = off; top_p 1.0 = off.
-
-    A temperature below 1e-5 also means greedy (dividing the logits by it would overflow).
-    seed None: the engine derives one from its own seed and the request number, so runs repeat.
-    n: samples of the prompt (parallel sampling), returned together. Sample 0 draws from a generator
-    seeded with the request's seed, sample i > 0 from one seeded with `sample_seed(seed, i)` =
-    random.Random(f"{seed}:{i}").getrandbits(63), so sample 0 equals the n=1 result and the others are
-    unrelated streams. At temperature 0 all n samples are identical.
-    The request stops at max_tokens ("length"), or at an id of stop_token_ids or the model's EOS
-    ("stop"; the stop token is kept in output_token_ids). ignore_eos=True generates past EOS.
-    stop: strings that end the request when its text contains one ("stop"; needs a tokenizer): the text
-    is cut before the stop string, the token ids that made it are kept (as vLLM).
-    logprobs=k: for every generated token its log-probability and those of the k most likely tokens
-    (k=0: only its own), float32 log_softmax of the model's logits the token was drawn from (before
-    temperature, top-k and top-p, as vLLM's default "raw" logprobs).
-    output_kind: what `LLMEngine.step()` returns of this request: "final_only" (default) the finished
-    request once; "cumulative" also, after every step that added tokens, everything so far
-    (RequestOutput.finished False); "delta" only what is new since the last output. `generate` always
-    returns final outputs.
-    """
-
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_k: int | None = None
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    n: int = 1
-    stop: list[str] = field(default_factory=list)
-    logprobs: int | None = None
-    output_kind: str = "final_only"
-
-    def __post_init__(self):
-        self.max_tokens = as_int(self.max_tokens, "max_tokens", min=1)
-        self.n = as_int(self.n, "n (samples per prompt)", min=1)
-        self.temperature = as_float(self.temperature, "temperature (0 = greedy)", min=0.0)
-        if self.top_k is not None:
-            self.top_k = as_int(self.top_k, "top_k (None = off)", min=1)
-        self.top_p = as_float(self.top_p, "top_p", max=1.0)
-        if not self.top_p > 0.0:
-            raise InvalidArgumentError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.seed is not None:  # the range torch.Generator.manual_seed takes
-            self.seed = as_int(self.seed, "seed", min=-(2**63), max=2**64 - 1)
-        self.stop_token_ids = _as_token_ids(self.stop_token_ids, "stop_token_ids")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise InvalidArgumentError(f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
-        self.ignore_eos = _as_bool(self.ignore_eos, "ignore_eos")
-        stop = [self.stop] if isinstance(self.stop, str) else self.stop
-        if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) and x for x in stop):
-            raise InvalidTypeError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        self.stop = list(stop)
-        if self.logprobs is not None:
-            self.logprobs = as_int(self.logprobs, "logprobs (top alternatives per token)", min=0)
-        one_of(self.output_kind, "output_kind", OUTPUT_KINDS)
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature < GREEDY_BELOW
-
-
-def sample_seed(seed: int, index: int) -> int:
-    """The seed of sample `index` of a request seeded `seed` (sample 0 keeps the request's own)."""
-    return seed if index == 0 else random.Random(f"{seed}:{index}").getrandbits(63)
-
-
-@dataclass
-class Logprob:
-    """The log-probability of one token and its rank among all (1 = most likely), as vLLM's."""
-
-    logprob: float
-    rank: int
-    decoded_token: str | None = None  # its text, with a tokenizer
-
-
-@dataclass
-class CompletionOutput:
-    """One of a request's n samples (vLLM's name). finish_reason as RequestOutput's (None while it
-    runs). logprobs (SamplingParams.logprobs): per token, {token id: Logprob} for the token drawn and
-    the top alternatives. stop_reason: the stop token id or stop string that ended it (None for EOS)."""
-
-    index: int
-    token_ids: list[int]
-    text: str | None
-    finish_reason: str | None
-    error: str | None = None
-    logprobs: list[dict[int, Logprob]] | None = None
-    stop_reason: int | str | None = None
-
-
-@dataclass
-class RequestOutput:
-    """A request's output. text is None without a tokenizer. finish_reason: "length", "stop", "abort"
-    (abort_request), or "error" (its sampling failed; `error` says how). `outputs` holds all n samples
-    (SamplingParams.n); the flat fields are those of the first, so n=1 code reads them directly.
-    finished is False for what streaming requests (SamplingParams.output_kind) return while they run;
-    with output_kind "delta" the tokens, text and logprobs are those new since the last output."""
-
-    request_id: int
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    text: str | None
-    finish_reason: str | None
-    error: str | None = None
-    outputs: list[CompletionOutput] = field(default_factory=list)
-    finished: bool = True
-    logprobs: list[dict[int, Logprob]] | None = None
-
-
-@dataclass
-class StepStats:
-    """What one engine step did, and the KV memory during its forward."""
-
-    step: int
-    num_prefills: int
-    num_decodes: int
-    num_waiting: int  # still queued after this step's admissions
-    used_blocks: int
-    free_blocks: int
-    num_tokens: int  # slots holding a real token's K/V
-    allocated_slots: int  # used_blocks * block_size (reserved, for static policies)
-    pool_slots: int
-    num_preemptions: int
-    num_generated: int
-    num_finished: int
-    seconds: float  # forward + sampling (wall clock)
-    # sharing pages: used_blocks are physical; without sharing the same sequences would hold
-    # logical_blocks. cached_blocks: free blocks that still hold a cached prefix (part of free_blocks)
-    logical_blocks: int = 0
-    shared_blocks: int = 0  # physical blocks held by more than one sequence
-    cached_blocks: int = 0
-    num_copies: int = 0  # copy-on-write block copies made before this step's forward
-    num_prefill_tokens: int = 0  # prompt tokens computed (not found cached or shared)
-    num_lookup_tokens: int = 0  # prefix caching: tokens of the requests admitted in this step ...
-    num_hit_tokens: int = 0  # ... found in the cache
-    num_lookup_blocks: int = 0
-    num_hit_blocks: int = 0
-
-    @property
-    def memory_saved(self) -> float:
-        """Share of the KV blocks sharing saves: 1 - used / (used without sharing), as the
-        PagedAttention paper measures it (Kwon et al., SOSP 2023, Fig. 15)."""
-        return 1.0 - self.used_blocks / self.logical_blocks if self.logical_blocks else 0.0
-
-    @property
-    def batch_size(self) -> int:
-        """Sequences in this step's forward (the running batch)."""
-        return self.num_prefills + self.num_decodes
-
-    @property
-    def token_utilization(self) -> float:
-        """Share of allocated slots that hold real tokens."""
-        return self.num_tokens / self.allocated_slots if self.allocated_slots else 1.0
-
-    @property
-    def pool_utilization(self) -> float:
-        """Share of the whole KV pool that holds real tokens."""
-        return self.num_tokens / self.pool_slots
-
-
-def sharing_summary(stats: list[StepStats]) -> dict:
-    """What sharing saved over a run: memory saved (blocks in use with sharing vs without, summed over
-    steps), prefix-cache hit rates (tokens and blocks), prompt tokens computed and found cached,
-    copy-on-write copies, and the most blocks shared at once."""
-    total = lambda name: sum(getattr(s, name) for s in stats)  # noqa: E731
-    used, logical = total("used_blocks"), total("logical_blocks")
-    lookup_t, lookup_b = total("num_lookup_tokens"), total("num_lookup_blocks")
-    return {
-        "memory_saved": 1.0 - used / logical if logical else 0.0,
-        "token_hit_rate": total("num_hit_tokens") / lookup_t if lookup_t else 0.0,
-        "block_hit_rate": total("num_hit_blocks") / lookup_b if lookup_b else 0.0,
-        "prefill_tokens": total("num_prefill_tokens"),
-        "cached_tokens": total("num_hit_tokens"),
-        "copies": total("num_copies"),
-        "max_shared_blocks": max((s.shared_blocks for s in stats), default=0),
-    }
-
-
-@dataclass
-class EngineConfig:
-    """Every engine option, checked once, in one place (as nano-vllm's `Config`).
-
-    block_size:             tokens per KV block.
-    num_blocks, kv_cache_memory, gpu_memory_utilization: what sizes the KV pool (at most one of them):
-                            a block count, a byte budget, or a share of free GPU memory. None of them:
-                            0.9 of free memory on a GPU; on a CPU room for 8 sequences of max_model_len
-                            (at most 1 GiB).
-    max_model_len:          the longest prompt + output a request may have; None = the model's
-                            max_position_embeddings.
-    backend:                decode attention: "auto", "torch", "cupy" or "emulator" (vllmini.attention).
-    policy:                 "paged", "static" or "oracle" (vllmini.scheduler).
-    watermark:              share of the pool new requests must leave free, so running ones can grow.
-    max_num_seqs:           the most sequences in one batch (a request with n samples counts n).
-    max_num_batched_tokens: the most tokens in one forward; None = max(max_model_len, 2048). Without
-                            chunked prefill it must be >= max_model_len (a prompt is prefilled in one
-                            forward); with it, anything >= 1.
-    seed:                   derives the seed of every request that has none.
-    enable_prefix_caching:  reuse the KV blocks of a prompt prefix computed before (policy "paged" only).
-    enable_chunked_prefill: split prompts over several steps so a step never exceeds
-                            max_num_batched_tokens: running decodes go first, prefills take chunks of
-                            what is left (vLLM's chunked prefill; Agrawal et al., Sarathi, 2023).
-    use_cuda_graphs:        capture decode steps as CUDA graphs (not implemented yet: True raises
-                            InvalidArgumentError).
-    """
-
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_cache_memory: int | None = None
-    gpu_memory_utilization: float | None = None
-    max_model_len: int | None = None
-    backend: str = "auto"
-    policy: str = "paged"
-    watermark: float = 0.01
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    seed: int = 0
-    enable_prefix_caching: bool = False
-    enable_chunked_prefill: bool = False
-    use_cuda_graphs: bool = False
-
-    def __post_init__(self):
-        self.block_size = as_int(self.block_size, "block_size", min=1)
-        for name in ("num_blocks", "kv_cache_memory", "max_model_len", "max_num_batched_tokens"):
-            if getattr(self, name) is not None:
-                setattr(self, name, as_int(getattr(self, name), name, min=1))
-        if self.gpu_memory_utilization is not None:
-            u = as_float(self.gpu_memory_utilization, "gpu_memory_utilization", max=1.0)
-            if not u > 0.0:
-                raise InvalidArgumentError(f"gpu_memory_utilization must be in (0, 1], got {u}")
-            self.gpu_memory_utilization = u
-        sizes = [
-            n
-            for n in ("num_blocks", "kv_cache_memory", "gpu_memory_utilization")
-            if getattr(self, n) is not None
-        ]
-        if len(sizes) > 1:
-            raise InvalidArgumentError(
-                f"num_blocks, kv_cache_memory and gpu_memory_utilization each size the KV cache: give "
-                f"exactly one of them (or none for the default), got {sizes}"
-            )
-        one_of(self.backend, "backend", BACKENDS)
-        check_policy(self.policy)
-        self.watermark = as_float(self.watermark, "watermark", min=0.0)
-        if not self.watermark < 1.0:
-            raise InvalidArgumentError(
-                f"watermark must be a fraction of the pool in [0, 1), got {self.watermark}"
-            )
-        self.max_num_seqs = as_int(self.max_num_seqs, "max_num_seqs", min=1)
-        self.seed = as_int(self.seed, "seed")
-        self.enable_prefix_caching = _as_bool(self.enable_prefix_caching, "enable_prefix_caching")
-        if self.enable_prefix_caching and self.policy != "paged":
-            raise InvalidArgumentError(f"enable_prefix_caching needs policy 'paged', got {self.policy!r}")
-        self.enable_chunked_prefill = _as_bool(self.enable_chunked_prefill, "enable_chunked_prefill")
-        if _as_bool(self.use_cuda_graphs, "use_cuda_graphs"):
-            raise InvalidArgumentError("use_cuda_graphs=True is not implemented yet")
-        if self.max_model_len is not None:
-            self.check_batched_tokens(self.max_model_len)
-
-    def check_batched_tokens(self, max_model_len: int) -> None:
-        """Without chunked prefill, max_num_batched_tokens must hold a whole prompt of max_model_len."""
-        batched = self.max_num_batched_tokens
-        if not self.enable_chunked_prefill and batched is not None and batched < max_model_len:
-            raise InvalidArgumentError(
-                f"max_num_batched_tokens={batched} is smaller than max_model_len={max_model_len}: a "
-                f"whole prompt must fit in one forward (or set enable_chunked_prefill=True)"
-            )
-
-
-def _make_config(config: EngineConfig | None, kwargs: dict) -> EngineConfig:
-    """`config` (default EngineConfig()) with `kwargs` replacing its fields; checked."""
-    if config is None:
-        config = EngineConfig()
-    elif not isinstance(config, EngineConfig):
-        raise InvalidTypeError(f"config must be an EngineConfig or None, got {type(config).__name__}")
-    names = {f.name for f in fields(EngineConfig)}
-    unknown = sorted(set(kwargs) - names)
-    if unknown:
-        raise InvalidTypeError(f"unknown engine option(s) {unknown}; EngineConfig has {sorted(names)}")
-    return replace(config, **kwargs)  # runs __post_init__: every field checked again
-
-
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """One token id from logits (vocab,) under `params`, drawing only from `generator`."""
-    [token] = sample_batch(logits[None], [0], [params], [generator])
-    if isinstance(token, Exception):
-        raise token
-    return token
-
-
-def sample_batch(
-    logits: torch.Tensor, rows: list[int], params: list[SamplingParams], generators: list[torch.Generator]
-) -> list[int | Exception]:
-    """One token per entry: from logits[rows[j]] (logits: (S, V)) under params[j], drawing only from
-    generators[j]; an entry whose draw fails gets the exception instead (it fails alone).
-
-    Greedy entries share one argmax. Sampled ones go through temperature, top-k and top-p together, as
-    tensor ops over all of them; only the multinomial draw stays one call per entry, since each draws
-    from its own generator (one batched draw would mix their streams). The ops work row by row, so an
-    entry's token does not depend on the others in the batch."""
-    tokens: list[int | Exception] = [0] * len(rows)
-    greedy = [j for j, p in enumerate(params) if p.is_greedy]
-    if greedy:
-        best = logits.argmax(-1).tolist()  # (S,): one host sync for all greedy rows
-        for j in greedy:
-            tokens[j] = best[rows[j]]
-    sampled = [j for j, p in enumerate(params) if not p.is_greedy]
-    if not sampled:
-        return tokens
-    x = logits[[rows[j] for j in sampled]].float()  # (R, V)
-    vocab = x.shape[1]
-    temps = torch.tensor([params[j].temperature for j in sampled], device=x.device)  # (R,)
-    x = x / temps[:, None]
-    ks = [min(params[j].top_k or vocab, vocab) for j in sampled]
-    ps = [params[j].top_p for j in sampled]
-    if min(ks) < vocab or min(ps) < 1.0:  # (decided on the host: no device sync)
-        # the K most likely, in order (K: the largest top_k; a full sort when some row has none)
-        kmax = max(ks)
-        values, order = x.topk(kmax, -1) if kmax < vocab else x.sort(-1, descending=True)  # (R, K)
-        rank = torch.arange(kmax, device=x.device)[None, :]  # (1, K)
-        drop = rank >= torch.tensor(ks, device=x.device)[:, None]  # (R, K): past each row's top k
-        if min(ps) < 1.0:
-            top_p = torch.tensor(ps, device=x.device)[:, None]  # (R, 1)
-            probs = values.masked_fill(drop, float("-inf")).softmax(-1)  # (R, K): the top k renormalized
-            # drop a token when the ones ranked above it already reach top_p (the first always stays)
-            drop |= (probs.cumsum(-1) - probs >= top_p) & (top_p < 1.0)
-        kept = values.masked_fill(drop, float("-inf"))  # (R, K)
-        x = torch.full_like(x, float("-inf")).scatter(1, order, kept)  # (R, V): the rest never drawn
-    probs = x.softmax(-1)  # (R, V)
-    drawn = {}
-    for r, j in enumerate(sampled):
-        try:
-            drawn[j] = _draw(probs[r], params[j], generators[j])  # (1,) on the device
-        except Exception as e:  # this entry fails alone; Ctrl-C rolls the whole step back
-            tokens[j] = e
-    if drawn:  # one host sync for all draws
-        for j, t in zip(drawn, torch.cat(list(drawn.values())).tolist(), strict=True):
-            tokens[j] = t
-    return tokens
-
-
-def _draw(probs: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
-    """One token id, (1,), from the distribution probs (V,), drawn from `generator` (the per-request
-    part of sampling)."""
-    return torch.multinomial(probs, 1, generator=generator)
-
-
-def token_logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int], ks: list[int]) -> list[dict]:
-    """For each j: {token id: (logprob, rank)} of tokens[j] and the ks[j] most likely tokens of
-    logits[rows[j]] (logits: (S, V)); float32 log_softmax, one host transfer for all."""
-    lp = logits[rows].float().log_softmax(-1)  # (R, V)
-    chosen = torch.tensor(tokens, device=lp.device)[:, None]  # (R, 1)
-    chosen_lp = lp.gather(1, chosen)  # (R, 1)
-    ranks = (lp > chosen_lp).sum(-1) + 1  # (R,): 1 + tokens strictly more likely
-    kmax = max(ks)
-    top = lp.topk(kmax, -1) if kmax else None  # (R, kmax), sorted: rank i + 1
-    chosen_lp, ranks = chosen_lp[:, 0].tolist(), ranks.tolist()
-    top_lp, top_ids = (top.values.tolist(), top.indices.tolist()) if top is not None else ([], [])
-    out = []
-    for j, (token, k) in enumerate(zip(tokens, ks, strict=True)):
-        entry = {token: (chosen_lp[j], ranks[j])}
-        for i in range(k):
-            entry.setdefault(top_ids[j][i], (top_lp[j][i], i + 1))
-        out.append(entry)
-    return out
+# the names this module re-exports, so `from vllmini.engine import SamplingParams` keeps working
+__all__ = [
+    "CompletionOutput", "EngineConfig", "LLMEngine", "Logprob", "RequestOutput", "SamplingParams",
+    "StepStats", "sample", "sample_batch", "sample_seed", "sharing_summary", "token_logprobs",
+]  # fmt: skip
 
 
 class _DeferSigint:
@@ -493,7 +103,7 @@ class LLMEngine:
     as keyword arguments, or both (keywords win)."""
 
     def __init__(self, model, config: EngineConfig | None = None, **kwargs):
-        config = _make_config(config, kwargs)
+        config = make_config(config, kwargs)
         if not isinstance(model, LlamaModel):
             model = LlamaModel.from_pretrained(model)  # e.g. a transformers LlamaForCausalLM
         max_pos = model.config.max_position_embeddings
@@ -537,7 +147,7 @@ class LLMEngine:
         **engine_kwargs,
     ) -> LLMEngine:
         """Load a Llama checkpoint directory (or transformers model) and build an engine on it."""
-        config = _make_config(config, engine_kwargs)  # bad options fail before the weights load
+        config = make_config(config, engine_kwargs)  # bad options fail before the weights load
         return cls(LlamaModel.from_pretrained(path_or_model, dtype=dtype, device=device), config)
 
     def _make_kv_cache(self) -> PagedKVCache:
@@ -605,7 +215,7 @@ class LLMEngine:
                 f"a prompt must be a str or token ids, got bytes {prompt[:20]!r}: decode it first"
             )
         else:
-            ids = _as_token_ids(prompt, "prompt")
+            ids = as_token_ids(prompt, "prompt")
         if not ids:
             raise InvalidArgumentError("the prompt is empty: it needs at least one token")
         vocab = self.model.config.vocab_size

@@ -1,0 +1,114 @@
+"""Every engine option in one checked dataclass (EngineConfig), and how LLMEngine's keyword arguments
+become one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+from vllmini.attention import BACKENDS
+from vllmini.checks import as_bool, as_float, as_int, one_of
+from vllmini.errors import InvalidArgumentError, InvalidTypeError
+from vllmini.scheduler import check_policy
+
+
+@dataclass
+class EngineConfig:
+    """Every engine option, checked once, in one place (as nano-vllm's `Config`).
+
+    block_size:             tokens per KV block.
+    num_blocks, kv_cache_memory, gpu_memory_utilization: what sizes the KV pool (at most one of them):
+                            a block count, a byte budget, or a share of free GPU memory. None of them:
+                            0.9 of free memory on a GPU; on a CPU room for 8 sequences of max_model_len
+                            (at most 1 GiB).
+    max_model_len:          the longest prompt + output a request may have; None = the model's
+                            max_position_embeddings.
+    backend:                decode attention: "auto", "torch", "cupy" or "emulator" (vllmini.attention).
+    policy:                 "paged", "static" or "oracle" (vllmini.scheduler).
+    watermark:              share of the pool new requests must leave free, so running ones can grow.
+    max_num_seqs:           the most sequences in one batch (a request with n samples counts n).
+    max_num_batched_tokens: the most tokens in one forward; None = max(max_model_len, 2048). Without
+                            chunked prefill it must be >= max_model_len (a prompt is prefilled in one
+                            forward); with it, anything >= 1.
+    seed:                   derives the seed of every request that has none.
+    enable_prefix_caching:  reuse the KV blocks of a prompt prefix computed before (policy "paged" only).
+    enable_chunked_prefill: split prompts over several steps so a step never exceeds
+                            max_num_batched_tokens: running decodes go first, prefills take chunks of
+                            what is left (vLLM's chunked prefill; Agrawal et al., Sarathi, 2023).
+    use_cuda_graphs:        capture decode steps as CUDA graphs (not implemented yet: True raises
+                            InvalidArgumentError).
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float | None = None
+    max_model_len: int | None = None
+    backend: str = "auto"
+    policy: str = "paged"
+    watermark: float = 0.01
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    seed: int = 0
+    enable_prefix_caching: bool = False
+    enable_chunked_prefill: bool = False
+    use_cuda_graphs: bool = False
+
+    def __post_init__(self):
+        self.block_size = as_int(self.block_size, "block_size", min=1)
+        for name in ("num_blocks", "kv_cache_memory", "max_model_len", "max_num_batched_tokens"):
+            if getattr(self, name) is not None:
+                setattr(self, name, as_int(getattr(self, name), name, min=1))
+        if self.gpu_memory_utilization is not None:
+            u = as_float(self.gpu_memory_utilization, "gpu_memory_utilization", max=1.0)
+            if not u > 0.0:
+                raise InvalidArgumentError(f"gpu_memory_utilization must be in (0, 1], got {u}")
+            self.gpu_memory_utilization = u
+        sizes = [
+            n
+            for n in ("num_blocks", "kv_cache_memory", "gpu_memory_utilization")
+            if getattr(self, n) is not None
+        ]
+        if len(sizes) > 1:
+            raise InvalidArgumentError(
+                f"num_blocks, kv_cache_memory and gpu_memory_utilization each size the KV cache: give "
+                f"exactly one of them (or none for the default), got {sizes}"
+            )
+        one_of(self.backend, "backend", BACKENDS)
+        check_policy(self.policy)
+        self.watermark = as_float(self.watermark, "watermark", min=0.0)
+        if not self.watermark < 1.0:
+            raise InvalidArgumentError(
+                f"watermark must be a fraction of the pool in [0, 1), got {self.watermark}"
+            )
+        self.max_num_seqs = as_int(self.max_num_seqs, "max_num_seqs", min=1)
+        self.seed = as_int(self.seed, "seed")
+        self.enable_prefix_caching = as_bool(self.enable_prefix_caching, "enable_prefix_caching")
+        if self.enable_prefix_caching and self.policy != "paged":
+            raise InvalidArgumentError(f"enable_prefix_caching needs policy 'paged', got {self.policy!r}")
+        self.enable_chunked_prefill = as_bool(self.enable_chunked_prefill, "enable_chunked_prefill")
+        if as_bool(self.use_cuda_graphs, "use_cuda_graphs"):
+            raise InvalidArgumentError("use_cuda_graphs=True is not implemented yet")
+        if self.max_model_len is not None:
+            self.check_batched_tokens(self.max_model_len)
+
+    def check_batched_tokens(self, max_model_len: int) -> None:
+        """Without chunked prefill, max_num_batched_tokens must hold a whole prompt of max_model_len."""
+        batched = self.max_num_batched_tokens
+        if not self.enable_chunked_prefill and batched is not None and batched < max_model_len:
+            raise InvalidArgumentError(
+                f"max_num_batched_tokens={batched} is smaller than max_model_len={max_model_len}: a "
+                f"whole prompt must fit in one forward (or set enable_chunked_prefill=True)"
+            )
+
+
+def make_config(config: EngineConfig | None, kwargs: dict) -> EngineConfig:
+    """`config` (default EngineConfig()) with `kwargs` replacing its fields; checked."""
+    if config is None:
+        config = EngineConfig()
+    elif not isinstance(config, EngineConfig):
+        raise InvalidTypeError(f"config must be an EngineConfig or None, got {type(config).__name__}")
+    names = {f.name for f in fields(EngineConfig)}
+    unknown = sorted(set(kwargs) - names)
+    if unknown:
+        raise InvalidTypeError(f"unknown engine option(s) {unknown}; EngineConfig has {sorted(names)}")
+    return replace(config, **kwargs)  # runs __post_init__: every field checked again

@@ -1,0 +1,169 @@
+"""How the engine picks each next token: the options of a request (SamplingParams) and sampling a whole
+batch's logits at once (sample_batch), each request drawing only from its own seeded generator, so its
+tokens do not depend on what else is in the batch."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from vllmini.checks import as_bool, as_float, as_int, as_token_ids, one_of
+from vllmini.errors import InvalidArgumentError, InvalidTypeError
+
+GREEDY_BELOW = 1e-5  # temperatures below this count as 0 (greedy): dividing by them overflows (as vLLM)
+OUTPUT_KINDS = ("final_only", "cumulative", "delta")  # what step() returns of a request (vLLM's names)
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token. temperature 0 = greedy; top_k None = off; top_p 1.0 = off.
+
+    A temperature below 1e-5 also means greedy (dividing the logits by it would overflow).
+    seed None: the engine derives one from its own seed and the request number, so runs repeat.
+    n: samples of the prompt (parallel sampling), returned together. Sample 0 draws from a generator
+    seeded with the request's seed, sample i > 0 from one seeded with `sample_seed(seed, i)` =
+    random.Random(f"{seed}:{i}").getrandbits(63), so sample 0 equals the n=1 result and the others are
+    unrelated streams. At temperature 0 all n samples are identical.
+    The request stops at max_tokens ("length"), or at an id of stop_token_ids or the model's EOS
+    ("stop"; the stop token is kept in output_token_ids). ignore_eos=True generates past EOS.
+    stop: strings that end the request when its text contains one ("stop"; needs a tokenizer): the text
+    is cut before the stop string, the token ids that made it are kept (as vLLM).
+    logprobs=k: for every generated token its log-probability and those of the k most likely tokens
+    (k=0: only its own), float32 log_softmax of the model's logits the token was drawn from (before
+    temperature, top-k and top-p, as vLLM's default "raw" logprobs).
+    output_kind: what `LLMEngine.step()` returns of this request: "final_only" (default) the finished
+    request once; "cumulative" also, after every step that added tokens, everything so far
+    (RequestOutput.finished False); "delta" only what is new since the last output. `generate` always
+    returns final outputs.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    n: int = 1
+    stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None
+    output_kind: str = "final_only"
+
+    def __post_init__(self):
+        self.max_tokens = as_int(self.max_tokens, "max_tokens", min=1)
+        self.n = as_int(self.n, "n (samples per prompt)", min=1)
+        self.temperature = as_float(self.temperature, "temperature (0 = greedy)", min=0.0)
+        if self.top_k is not None:
+            self.top_k = as_int(self.top_k, "top_k (None = off)", min=1)
+        self.top_p = as_float(self.top_p, "top_p", max=1.0)
+        if not self.top_p > 0.0:
+            raise InvalidArgumentError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None:  # the range torch.Generator.manual_seed takes
+            self.seed = as_int(self.seed, "seed", min=-(2**63), max=2**64 - 1)
+        self.stop_token_ids = as_token_ids(self.stop_token_ids, "stop_token_ids")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise InvalidArgumentError(f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
+        self.ignore_eos = as_bool(self.ignore_eos, "ignore_eos")
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) and x for x in stop):
+            raise InvalidTypeError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        self.stop = list(stop)
+        if self.logprobs is not None:
+            self.logprobs = as_int(self.logprobs, "logprobs (top alternatives per token)", min=0)
+        one_of(self.output_kind, "output_kind", OUTPUT_KINDS)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a request seeded `seed` (sample 0 keeps the request's own)."""
+    return seed if index == 0 else random.Random(f"{seed}:{index}").getrandbits(63)
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """One token id from logits (vocab,) under `params`, drawing only from `generator`."""
+    [token] = sample_batch(logits[None], [0], [params], [generator])
+    if isinstance(token, Exception):
+        raise token
+    return token
+
+
+def sample_batch(
+    logits: torch.Tensor, rows: list[int], params: list[SamplingParams], generators: list[torch.Generator]
+) -> list[int | Exception]:
+    """One token per entry: from logits[rows[j]] (logits: (S, V)) under params[j], drawing only from
+    generators[j]; an entry whose draw fails gets the exception instead (it fails alone).
+
+    Greedy entries share one argmax. Sampled ones go through temperature, top-k and top-p together, as
+    tensor ops over all of them; only the multinomial draw stays one call per entry, since each draws
+    from its own generator (one batched draw would mix their streams). The ops work row by row, so an
+    entry's token does not depend on the others in the batch."""
+    tokens: list[int | Exception] = [0] * len(rows)
+    greedy = [j for j, p in enumerate(params) if p.is_greedy]
+    if greedy:
+        best = logits.argmax(-1).tolist()  # (S,): one host sync for all greedy rows
+        for j in greedy:
+            tokens[j] = best[rows[j]]
+    sampled = [j for j, p in enumerate(params) if not p.is_greedy]
+    if not sampled:
+        return tokens
+    x = logits[[rows[j] for j in sampled]].float()  # (R, V)
+    vocab = x.shape[1]
+    temps = torch.tensor([params[j].temperature for j in sampled], device=x.device)  # (R,)
+    x = x / temps[:, None]
+    ks = [min(params[j].top_k or vocab, vocab) for j in sampled]
+    ps = [params[j].top_p for j in sampled]
+    if min(ks) < vocab or min(ps) < 1.0:  # (decided on the host: no device sync)
+        # the K most likely, in order (K: the largest top_k; a full sort when some row has none)
+        kmax = max(ks)
+        values, order = x.topk(kmax, -1) if kmax < vocab else x.sort(-1, descending=True)  # (R, K)
+        rank = torch.arange(kmax, device=x.device)[None, :]  # (1, K)
+        drop = rank >= torch.tensor(ks, device=x.device)[:, None]  # (R, K): past each row's top k
+        if min(ps) < 1.0:
+            top_p = torch.tensor(ps, device=x.device)[:, None]  # (R, 1)
+            probs = values.masked_fill(drop, float("-inf")).softmax(-1)  # (R, K): the top k renormalized
+            # drop a token when the ones ranked above it already reach top_p (the first always stays)
+            drop |= (probs.cumsum(-1) - probs >= top_p) & (top_p < 1.0)
+        kept = values.masked_fill(drop, float("-inf"))  # (R, K)
+        x = torch.full_like(x, float("-inf")).scatter(1, order, kept)  # (R, V): the rest never drawn
+    probs = x.softmax(-1)  # (R, V)
+    drawn = {}
+    for r, j in enumerate(sampled):
+        try:
+            drawn[j] = _draw(probs[r], params[j], generators[j])  # (1,) on the device
+        except Exception as e:  # this entry fails alone; Ctrl-C rolls the whole step back
+            tokens[j] = e
+    if drawn:  # one host sync for all draws
+        for j, t in zip(drawn, torch.cat(list(drawn.values())).tolist(), strict=True):
+            tokens[j] = t
+    return tokens
+
+
+def _draw(probs: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
+    """One token id, (1,), from the distribution probs (V,), drawn from `generator` (the per-request
+    part of sampling)."""
+    return torch.multinomial(probs, 1, generator=generator)
+
+
+def token_logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int], ks: list[int]) -> list[dict]:
+    """For each j: {token id: (logprob, rank)} of tokens[j] and the ks[j] most likely tokens of
+    logits[rows[j]] (logits: (S, V)); float32 log_softmax, one host transfer for all."""
+    lp = logits[rows].float().log_softmax(-1)  # (R, V)
+    chosen = torch.tensor(tokens, device=lp.device)[:, None]  # (R, 1)
+    chosen_lp = lp.gather(1, chosen)  # (R, 1)
+    ranks = (lp > chosen_lp).sum(-1) + 1  # (R,): 1 + tokens strictly more likely
+    kmax = max(ks)
+    top = lp.topk(kmax, -1) if kmax else None  # (R, kmax), sorted: rank i + 1
+    chosen_lp, ranks = chosen_lp[:, 0].tolist(), ranks.tolist()
+    top_lp, top_ids = (top.values.tolist(), top.indices.tolist()) if top is not None else ([], [])
+    out = []
+    for j, (token, k) in enumerate(zip(tokens, ks, strict=True)):
+        entry = {token: (chosen_lp[j], ranks[j])}
+        for i in range(k):
+            entry.setdefault(top_ids[j][i], (top_lp[j][i], i + 1))
+        out.append(entry)
+    return out
