@@ -379,7 +379,7 @@ def _prefill_torch(a: PrefillArgs, lens: np.ndarray, starts: np.ndarray) -> torc
     sequence's pages into a padded (S, L, kvh, hs) tensor with one index, lay the new tokens out on a
     padded (S, N) grid, and run one SDPA with a mask that is causal (query row j of sequence s sits at
     position lens[s] - n_s + j, so a chunk that starts at k > 0 works) and cuts each sequence at its length.
-    lens/starts: seq_lens and query_start_loc on the host (from validation: the indices below need no sync)."""
+    lens/starts: seq_lens and query_start_loc on the host (from validation: the indices need no sync)."""
     q, kc, vc = a.query, a.key_cache, a.value_cache
     num_tokens, num_heads, head_size = q.shape
     block_size, num_kv_heads = kc.shape[1], kc.shape[2]

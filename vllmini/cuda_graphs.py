@@ -117,8 +117,9 @@ class DecodeGraphs:
         b = self.size_for(n)
         if b is None or meta.num_prefills or input_ids.device.type != "cpu" or not meta.host_checked:
             raise InvalidArgumentError(
-                f"a graph replays a host-checked decode-only batch of CPU tensors of 1..{self.max_batch_size} "
-                f"sequences; got {n} sequences, {meta.num_prefills} prefills, on {input_ids.device}"
+                f"a graph replays a host-checked decode-only batch of CPU tensors of "
+                f"1..{self.max_batch_size} sequences; got {n} sequences, {meta.num_prefills} prefills, "
+                f"on {input_ids.device}"
             )
         w = meta.block_tables.shape[1]
         if w > self.width:

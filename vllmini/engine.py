@@ -43,12 +43,12 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from vllmini.attention import check_kernel_errors
+from vllmini.attention import check_kernel_errors, guarded_by_default
 from vllmini.checks import as_int, as_token_ids, cdiv
 from vllmini.config import EngineConfig, make_config
 from vllmini.errors import EngineStateError, InvalidArgumentError, InvalidTypeError
 from vllmini.kv_cache import PagedKVCache
-from vllmini.model import LlamaModel
+from vllmini.model import LlamaModel, to_device
 from vllmini.outputs import CompletionOutput, Logprob, RequestOutput, StepStats, sharing_summary
 from vllmini.sampling import SamplingParams, sample, sample_batch, sample_seed, token_logprobs
 from vllmini.scheduler import Scheduler, Sequence, SequenceStatus
@@ -130,6 +130,11 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
         self.backend = self._resolve_backend(config.backend)  # "torch", "cupy" or "emulator"
+        self.graphs = self._capture_graphs(config.use_cuda_graphs)  # a DecodeGraphs, or None: eager
+        # the decode kernels check page ids on the GPU: the engine checks only the slots on the host
+        self._guarded = self.device.type == "cuda" and guarded_by_default(
+            self.backend, self.device, model.dtype
+        )
         self.tokenizer, self.eos_token_ids = model.tokenizer, set(model.eos_token_ids)
         self.stats: list[StepStats] = []
         self.num_forwards = 0  # forwards of committed steps (one per step)
@@ -198,6 +203,29 @@ class LLMEngine:
                 f"backend {backend!r} cannot run this model ({self.model.dtype} on {self.device}): {e}"
             ) from e
         return concrete
+
+    def _capture_graphs(self, wanted: bool | None):
+        """Capture the decode CUDA graphs (vllmini.cuda_graphs) before any request runs, or None.
+        wanted None: on for a CUDA model whose backend a graph can hold ("cupy", "torch")."""
+        cuda = self.device.type == "cuda"
+        if wanted is None:
+            wanted = cuda and self.backend in ("cupy", "torch")
+        if not wanted:
+            return None
+        if not cuda or self.backend not in ("cupy", "torch"):
+            raise InvalidArgumentError(
+                f"use_cuda_graphs=True needs a CUDA model and backend 'cupy' or 'torch', got device "
+                f"{self.device} and backend {self.backend!r}"
+            )
+        from vllmini.cuda_graphs import DecodeGraphs
+
+        c = self.config
+        size = min(c.max_cuda_graph_batch_size, c.max_num_seqs)
+        graphs = DecodeGraphs(
+            self.model, self.kv_cache, self.backend, size, cdiv(c.max_model_len, c.block_size)
+        )
+        graphs.capture()
+        return graphs
 
     # -------------------------------------------------------------------------
     # requests
@@ -343,8 +371,19 @@ class LLMEngine:
         """The batch's forward, then one token per sequence that completes its tokens (or the exception
         its sampling raised), and the logprobs of those that ask for them (else None). Appends
         (sequence, generator state) to `saved` before a generator is used."""
-        input_ids, positions, meta = self.scheduler.build_inputs(out, device=self.device)
-        logits = self.model(input_ids, positions, self.kv_cache, meta, backend=self.backend)  # (S, V)
+        input_ids, positions, meta = self.scheduler.build_inputs(out)  # on the CPU
+        # the slots (and, without the kernels' guard, the tables) are checked here, on the host, so the
+        # GPU forward needs no sync; the inputs then go to the GPU without one (pinned, non-blocking)
+        kv = self.kv_cache
+        meta.check_on_host(kv.num_blocks, kv.block_size, tables=not self._guarded)
+        graphs = self.graphs
+        if graphs is not None and not meta.num_prefills and graphs.size_for(meta.num_seqs) is not None:
+            logits = graphs.run(input_ids, positions, meta)  # (S, V): one replay of a captured decode
+        else:
+            if self.device.type != "cpu":
+                input_ids, positions = to_device(input_ids, self.device), to_device(positions, self.device)
+                meta = meta.to(self.device)
+            logits = self.model(input_ids, positions, kv, meta, backend=self.backend)  # (S, V)
         if self.device.type == "cuda":  # a bad page id seen by the kernels' in-kernel guard: fail the step
             check_kernel_errors(self.device)  # (one small device->host copy; the step is rolled back)
         samplers = out.samplers  # forked samples draw from their parent's row

@@ -147,6 +147,15 @@ def _read_checkpoint_file(file: Path, read):
         raise CheckpointError(f"bad checkpoint file {str(file)!r}: {e}") from e
 
 
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """`t` on `device`. A CPU tensor goes to CUDA through pinned memory, non-blocking: no host sync (a
+    plain .to() from pageable memory waits for the copy)."""
+    device = torch.device(device)
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 # -----------------------------------------------------------------------------
 # attention metadata: how the flat batch of tokens maps onto sequences and pages
 
@@ -186,15 +195,12 @@ class AttentionMetadata:
         self.host_checked = True
 
     def to(self, device) -> AttentionMetadata:
-        """A copy on `device`. From the CPU to CUDA through pinned memory, non-blocking: no host sync."""
-        device = torch.device(device)
-        pin = device.type == "cuda" and self.seq_lens.device.type == "cpu"
-        move = (lambda t: t.pin_memory().to(device, non_blocking=True)) if pin else (lambda t: t.to(device))
+        """A copy on `device` (see `to_device`: from the CPU to CUDA without a host sync)."""
         return AttentionMetadata(
-            slot_mapping=move(self.slot_mapping),
-            block_tables=move(self.block_tables),
-            seq_lens=move(self.seq_lens),
-            query_start_loc=move(self.query_start_loc),
+            slot_mapping=to_device(self.slot_mapping, device),
+            block_tables=to_device(self.block_tables, device),
+            seq_lens=to_device(self.seq_lens, device),
+            query_start_loc=to_device(self.query_start_loc, device),
             num_prefills=self.num_prefills,
             num_prefill_tokens=self.num_prefill_tokens,
             host_checked=self.host_checked,
