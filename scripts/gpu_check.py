@@ -186,16 +186,19 @@ def tier_serve():
     run_item("serve", "bench_serving --device cuda", cmd, 540, deadline)
 
 
-ENGINE_VARIANTS = (  # (item, bench_engine.py flags): paged ShareGPT-like runs compared side by side
-    ("eager", ["--no-cuda-graphs"]),
+ENGINE_VARIANTS = (  # (item, bench_engine.py flags): paged ShareGPT-like runs, side by side, alternating
     ("graphs", ["--cuda-graphs"]),
     ("graphs + prefix caching", ["--cuda-graphs", "--prefix-caching"]),
     ("graphs + chunked prefill", ["--cuda-graphs", "--chunked-prefill"]),
+    ("graphs (again)", ["--cuda-graphs"]),
+    ("graphs + prefix caching (again)", ["--cuda-graphs", "--prefix-caching"]),
+    ("graphs + chunked prefill (again)", ["--cuda-graphs", "--chunked-prefill"]),
     ("graphs + system prompt 512", ["--cuda-graphs", "--system-prompt", "512"]),
     (
         "graphs + system prompt 512 + prefix caching",
         ["--cuda-graphs", "--system-prompt", "512", "--prefix-caching"],
     ),
+    ("eager", ["--no-cuda-graphs"]),
 )
 
 
