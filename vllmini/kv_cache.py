@@ -89,6 +89,10 @@ def reshape_and_cache(
     elif padding:  # no sync: a padding row becomes a copy of row 0 (same slot, same bytes)
         src = torch.where(slots >= 0, torch.arange(slots.shape[0], device=slots.device), 0)  # (T,)
         slots, key, value = slots[src], key[src], value[src]
+    if key_cache.is_contiguous() and value_cache.is_contiguous():  # one index_put per pool, no div/mod
+        key_cache.view(-1, num_kv_heads, head_size)[slots] = key
+        value_cache.view(-1, num_kv_heads, head_size)[slots] = value
+        return
     # (block, offset) indexing works in place whatever the cache's strides are
     blocks, offsets = slots // block_size, slots % block_size
     key_cache[blocks, offsets] = key
