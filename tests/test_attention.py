@@ -52,9 +52,11 @@ def host_path(request, monkeypatch):
     """Run the table checks both ways: CPU tensors viewed in place, and the one device->host copy that
     CUDA tensors take (`_host_copy`, exercised here on the CPU)."""
     import vllmini.attention as attention
+    import vllmini.attention_checks as attention_checks
 
     if request.param == "copy":
-        monkeypatch.setattr(attention, "_host_view", attention._host_copy)
+        for module in (attention, attention_checks):
+            monkeypatch.setattr(module, "_host_view", attention_checks._host_copy)
     return request.param
 
 

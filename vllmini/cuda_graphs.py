@@ -22,10 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from vllmini.attention import kernel_error_buffer
+from vllmini.attention import AttentionMetadata, kernel_error_buffer
 from vllmini.checks import as_int
 from vllmini.errors import InvalidArgumentError
-from vllmini.model import AttentionMetadata
 
 NUM_FIELDS = 4  # input_ids, positions, slot_mapping, seq_lens; then the block tables
 MAX_CAPTURE_SIZE = 512  # vLLM's default largest captured batch

@@ -43,12 +43,12 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from vllmini.attention import check_kernel_errors, guarded_by_default
+from vllmini.attention import check_kernel_errors, guarded_by_default, to_device
 from vllmini.checks import as_int, as_token_ids, cdiv
 from vllmini.config import EngineConfig, make_config
 from vllmini.errors import EngineStateError, InvalidArgumentError, InvalidTypeError
 from vllmini.kv_cache import PagedKVCache
-from vllmini.model import LlamaModel, to_device
+from vllmini.model import LlamaModel
 from vllmini.outputs import CompletionOutput, Logprob, RequestOutput, StepStats, sharing_summary
 from vllmini.sampling import SamplingParams, sample, sample_batch, sample_seed, token_logprobs
 from vllmini.scheduler import Scheduler, Sequence, SequenceStatus
