@@ -406,6 +406,53 @@ def decode_table(model, batch_sizes, prompt_len: int, new: int, hf: bool, max_mo
     return rows
 
 
+def profile_decode(model, batch: int, context: int = 255) -> None:
+    """Where one decode forward's GPU time goes: torch.profiler over the eager forward of `batch`
+    sequences of `context` tokens (the kernels a graph replays), against the graph's replay time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = LLMEngine(model, block_size=16, num_blocks=batch * 16 + 64, max_model_len=2048,
+                       max_num_seqs=max(batch, 8), max_cuda_graph_batch_size=max(batch, 8))  # fmt: skip
+    nb = -(-context // 16)
+    tables = torch.arange(batch * nb, dtype=torch.int32).view(batch, nb)
+    slots = [int(tables[i, -1]) * 16 + (context - 1) % 16 for i in range(batch)]
+    meta = AttentionMetadata.build([1] * batch, tables, [context] * batch, slots, 0)
+    meta.check_on_host(engine.kv_cache.num_blocks, 16, tables=False)
+    ids, pos = torch.full((batch,), 7), torch.full((batch,), context - 1)
+    dev = model.device
+    args = (ids.to(dev), pos.to(dev), engine.kv_cache, meta.to(dev))
+    with torch.inference_mode():
+        for _ in range(3):
+            model(*args, backend=engine.backend)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            model(*args, backend=engine.backend)
+            torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    busy = sum(e.device_time_total for e in events) / 1e3  # ms
+    engine.graphs.run(ids, pos, meta)
+    b = engine.graphs.size_for(batch)
+    times = []
+    for _ in range(30):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        engine.graphs.graphs[b].replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    replay = sorted(times)[len(times) // 2]
+    print(
+        f"\nDecode forward at batch {batch}, context {context}: {len(events)} kernels, GPU busy {busy:.2f} "
+        f"ms (sum of kernel times), graph replay {replay:.2f} ms; the largest kernel groups:"
+    )
+    by_name: dict = {}
+    for e in events:
+        n, t = by_name.get(e.name, (0, 0.0))
+        by_name[e.name] = (n + 1, t + e.device_time_total / 1e3)
+    for name, (n, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:12]:
+        print(f"  {t:6.3f} ms  {n:4d} x  {name[:90]}")
+
+
 def plot(main: list[Result], by_len: list[Result], by_block: list[Result], path: str) -> None:
     import matplotlib
 
@@ -530,6 +577,7 @@ def main() -> None:
         help="only the decode table: tokens/s with and without CUDA graphs vs generate, step times",
     )
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64, 256], help="decode table")
+    ap.add_argument("--profile-decode", type=int, nargs="*", metavar="B", help="kernels of a decode forward")
     ap.add_argument("--prompt-len", type=int, default=128, help="decode table: prompt tokens")
     ap.add_argument("--new-tokens", type=int, default=128, help="decode table: tokens generated")
     ap.add_argument("--workloads", nargs="+", default=["sharegpt", "alpaca"], choices=["sharegpt", "alpaca"])
@@ -564,6 +612,10 @@ def main() -> None:
         + (f", shared system prompt of {args.system_prompt // scale} tokens" if args.system_prompt else "")
     )
 
+    if args.profile_decode:
+        for batch in args.profile_decode:
+            profile_decode(model, batch)
+        return
     if args.decode_table:
         rows = decode_table(model, args.batch_sizes, args.prompt_len, args.new_tokens, args.hf is not False)
         if args.json:
