@@ -25,6 +25,12 @@ sums up what sharing saved over a run.
 take the rest in chunks, so a long prompt no longer stalls them (a chunk that stops before the prompt's
 end samples nothing; a failed step undoes its chunks too).
 
+On a GPU (vllmini.cuda_graphs): the step's inputs are built and checked on the host and copied over from
+pinned memory, so the forward makes no host sync; decode-only steps of up to max_cuda_graph_batch_size
+sequences replay a CUDA graph captured when the engine is built (use_cuda_graphs, on by default on CUDA),
+padded to the next captured size; prefill and mixed steps, and larger batches, run eagerly. A step syncs
+twice: to read the kernels' guard record, and to bring the sampled tokens to the host.
+
 Sampling the batch: greedy rows share one argmax; sampled rows go through temperature, top-k and top-p
 together as tensor ops; only the multinomial draw is one call per request, from its own generator.
 SamplingParams also takes stop strings (`stop`, with a tokenizer), per-token `logprobs` and an
