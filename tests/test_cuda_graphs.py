@@ -6,7 +6,7 @@ import contextlib
 import pytest
 import torch
 
-from vllmini.cuda_graphs import capture_sizes
+from vllmini.cuda_graphs import capture_sizes, input_views, pack_inputs, padded_decode_forward
 from vllmini.engine import LLMEngine, SamplingParams
 from vllmini.errors import InvalidArgumentError, InvalidBlockTableError
 from vllmini.kv_cache import PagedKVCache
@@ -28,6 +28,58 @@ def test_capture_sizes_are_vllms():
         capture_sizes(0)
     with pytest.raises(InvalidArgumentError, match="max_batch_size"):
         capture_sizes(513)
+
+
+def _decode_batch(lens, block_size, num_blocks, seed=0):
+    """A decode step of sequences of `lens` tokens on distinct random pages: ids, positions, meta (CPU)."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(-(-n // block_size) for n in lens)
+    pages = torch.randperm(num_blocks, generator=g)[: len(lens) * width].view(len(lens), width).int()
+    slots = [
+        int(pages[s, (n - 1) // block_size]) * block_size + (n - 1) % block_size for s, n in enumerate(lens)
+    ]
+    ids = torch.randint(3, 100, (len(lens),), generator=g)
+    meta = AttentionMetadata.build([1] * len(lens), pages, list(lens), slots, 0)
+    meta.check_on_host(num_blocks, block_size)
+    return ids, torch.tensor([n - 1 for n in lens]), meta
+
+
+def test_packed_inputs_pad_with_rows_that_write_nothing():
+    ids, pos, meta = _decode_batch([5, 9, 2], 4, 16)
+    host = pack_inputs(ids, pos, meta, 4, 6)
+    v_ids, v_pos, v_slots, v_lens, v_tables = input_views(host, 4, 6)
+    assert v_ids.tolist() == ids.tolist() + [0] and v_pos.tolist() == pos.tolist() + [0]
+    assert v_slots.tolist() == meta.slot_mapping.tolist() + [-1] and v_lens.tolist() == [5, 9, 2, 1]
+    w = meta.block_tables.shape[1]
+    assert (
+        torch.equal(v_tables[:3, :w], meta.block_tables)
+        and not v_tables[3].any()
+        and not v_tables[:, w:].any()
+    )
+
+
+def test_the_recorded_forward_with_padding_equals_the_plain_forward_on_cpu():
+    """What a graph records (padding rows, slot -1, no checks), run eagerly on the CPU: the real rows'
+    logits and every cache write equal the unpadded forward's, and padding writes nothing."""
+    model = LlamaModel.from_pretrained(random_hf_model(), dtype=torch.float32)
+    cfg = model.config
+    caches = []
+    for _ in range(2):
+        cache = PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 4, num_blocks=16)
+        for t in cache.key_caches + cache.value_caches:
+            t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(1)))
+        caches.append(cache)
+    ids, pos, meta = _decode_batch([5, 9, 2], 4, 16, seed=3)
+    want = model(ids, pos, caches[0], meta)
+    got = padded_decode_forward(model, caches[1], "torch", pack_inputs(ids, pos, meta, 8, 6), 8, 6)
+    assert got.shape == (8, cfg.vocab_size)
+    torch.testing.assert_close(got[:3], want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(
+        caches[0].key_caches + caches[0].value_caches,
+        caches[1].key_caches + caches[1].value_caches,
+        strict=True,
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)  # the same slots written, nothing else
 
 
 @contextlib.contextmanager

@@ -38,6 +38,55 @@ def capture_sizes(max_batch_size: int) -> list[int]:
     return sizes + [m if m <= 8 else -(-m // 8) * 8]
 
 
+def input_views(buffer: torch.Tensor, b: int, width: int) -> tuple[torch.Tensor, ...]:
+    """The five inputs of a batch of b rows as views of the front of an int32 buffer: input_ids (b,),
+    positions (b,), slot_mapping (b,), seq_lens (b,), block_tables (b, width)."""
+    ids, pos, slots, lens = (buffer[i * b : (i + 1) * b] for i in range(NUM_FIELDS))
+    tables = buffer[NUM_FIELDS * b : (NUM_FIELDS + width) * b].view(b, width)
+    return ids, pos, slots, lens, tables
+
+
+def pack_inputs(
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    meta: AttentionMetadata,
+    b: int,
+    width: int,
+    *,
+    pin: bool = False,
+) -> torch.Tensor:  # ((NUM_FIELDS + width) * b,) int32 on the CPU
+    """A decode batch of n <= b sequences (CPU tensors) laid out as `input_views` reads it, padded to b
+    rows: a padding row has token 0 at position 0, slot -1 (not written), seq_len 1 and page 0 (a valid
+    block, read for one token, its output dropped); table columns past a row's own are page 0 too."""
+    n, w = input_ids.shape[0], meta.block_tables.shape[1]
+    assert 1 <= n <= b and w <= width, (n, b, w, width)
+    host = torch.empty((NUM_FIELDS + width) * b, dtype=torch.int32, pin_memory=pin)
+    ids, pos, slots, lens, tables = input_views(host, b, width)
+    for dst, src, pad in ((ids, input_ids, 0), (pos, positions, 0), (slots, meta.slot_mapping, -1)):
+        dst[:n], dst[n:] = src, pad
+    lens[:n], lens[n:] = meta.seq_lens, 1
+    tables.zero_()  # never read past a sequence's length
+    tables[:n, :w] = meta.block_tables
+    return host
+
+
+def padded_decode_forward(model, kv_cache, backend: str, buffer: torch.Tensor, b: int, width: int):
+    """Logits (b, vocab) of the decode batch of b rows packed in `buffer` (`pack_inputs`), padding rows
+    included: the forward a graph records, reading nothing but the buffer. Runs on the CPU too (tests)."""
+    ids, pos, slots, lens, tables = input_views(buffer, b, width)
+    meta = AttentionMetadata(
+        slot_mapping=slots.long(),
+        block_tables=tables,
+        seq_lens=lens,
+        query_start_loc=torch.arange(b + 1, dtype=torch.int32, device=buffer.device),
+        num_prefills=0,
+        num_prefill_tokens=0,
+        host_checked=True,
+        has_padding=True,
+    )
+    return model(ids.long(), pos.long(), kv_cache, meta, backend=backend)
+
+
 class DecodeGraphs:
     """The captured decode forwards of one model on one KV cache, and their static input buffer."""
 
@@ -58,30 +107,12 @@ class DecodeGraphs:
         self.device = model.device
         per_row = NUM_FIELDS + self.width
         self.buffer = torch.zeros(self.max_batch_size * per_row, dtype=torch.int32, device=self.device)
-        self.query_start_loc = torch.arange(self.max_batch_size + 1, dtype=torch.int32, device=self.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # size -> (size, vocab), written by each replay
 
-    def _views(self, b: int, buffer: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The five inputs of a batch of b rows, as views of the front of `buffer`."""
-        ids, pos, slots, lens = (buffer[i * b : (i + 1) * b] for i in range(NUM_FIELDS))
-        tables = buffer[NUM_FIELDS * b : (NUM_FIELDS + self.width) * b].view(b, self.width)
-        return ids, pos, slots, lens, tables
-
     def _forward(self, b: int) -> torch.Tensor:
         """The decode forward of b rows, reading only the static buffer (what the graph records)."""
-        ids, pos, slots, lens, tables = self._views(b, self.buffer)
-        meta = AttentionMetadata(
-            slot_mapping=slots.long(),
-            block_tables=tables,
-            seq_lens=lens,
-            query_start_loc=self.query_start_loc[: b + 1],
-            num_prefills=0,
-            num_prefill_tokens=0,
-            host_checked=True,
-            has_padding=True,
-        )
-        return self.model(ids.long(), pos.long(), self.kv_cache, meta, backend=self.backend)
+        return padded_decode_forward(self.model, self.kv_cache, self.backend, self.buffer, b, self.width)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -92,7 +123,7 @@ class DecodeGraphs:
         side = torch.cuda.Stream(self.device)
         for b in reversed(self.sizes):
             self.buffer.zero_()
-            self._views(b, self.buffer)[3].fill_(1)  # every dummy row: one token, page 0, slot 0
+            input_views(self.buffer, b, self.width)[3].fill_(1)  # every dummy row: one token, page 0, slot 0
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):  # warm up (compiles the kernels, fills caches) off the capture
                 self._forward(b)
@@ -123,13 +154,7 @@ class DecodeGraphs:
         w = meta.block_tables.shape[1]
         if w > self.width:
             raise InvalidArgumentError(f"block tables of {w} columns; the graphs hold {self.width}")
-        host = torch.empty((NUM_FIELDS + self.width) * b, dtype=torch.int32, pin_memory=True)
-        ids, pos, slots, lens, tables = self._views(b, host)
-        for dst, src, pad in ((ids, input_ids, 0), (pos, positions, 0), (slots, meta.slot_mapping, -1)):
-            dst[:n], dst[n:] = src, pad
-        lens[:n], lens[n:] = meta.seq_lens, 1
-        tables.zero_()  # padding rows and columns: page 0, never read past a sequence's length
-        tables[:n, :w] = meta.block_tables
+        host = pack_inputs(input_ids, positions, meta, b, self.width, pin=True)
         self.buffer[: host.shape[0]].copy_(host, non_blocking=True)
         self.graphs[b].replay()
         return self.logits[b][:n]
