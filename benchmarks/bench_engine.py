@@ -305,19 +305,40 @@ def engine_tokens_per_s(
     return len(prompts) * new_tokens / t.seconds
 
 
-def read_bandwidth(device, gib: float = 4.0, repeats: int = 20) -> float:
-    """Bytes/s of a torch.sum over `gib` GiB of random float32 (the read ceiling), median of CUDA events."""
-    x = torch.empty(int(gib * 2**30) // 4, dtype=torch.float32, device=device).normal_()
+def median_ms(fn, repeats: int) -> float:
+    """Median GPU time of fn() in ms: CUDA events around each call, synchronized after each."""
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        x.sum()
+        fn()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del x
-    return int(gib * 2**30) / sorted(times)[len(times) // 2]
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def read_bandwidth(device, gib: float = 4.0, repeats: int = 20) -> float:
+    """Bytes/s of a torch.sum over `gib` GiB of random float32 (the read ceiling), median of CUDA events."""
+    x = torch.empty(int(gib * 2**30) // 4, dtype=torch.float32, device=device).normal_()
+    return int(gib * 2**30) / (median_ms(x.sum, repeats) / 1e3)
+
+
+def full_decode_batch(engine, batch: int, context: int):
+    """A decode step of `batch` sequences of `context` tokens on distinct pages (block size 16), as CPU
+    input_ids, positions and host-checked AttentionMetadata."""
+    nb = -(-context // 16)
+    tables = torch.arange(batch * nb, dtype=torch.int32).view(batch, nb)
+    slots = [int(tables[i, -1]) * 16 + (context - 1) % 16 for i in range(batch)]
+    meta = AttentionMetadata.build([1] * batch, tables, [context] * batch, slots, 0)
+    meta.check_on_host(engine.kv_cache.num_blocks, 16)
+    return torch.full((batch,), 7), torch.full((batch,), context - 1), meta
+
+
+def replay_ms(engine, ids, pos, meta, repeats: int) -> float:
+    """Median GPU time (CUDA events) of the engine's captured graph for this batch, replayed alone."""
+    engine.graphs.run(ids, pos, meta)  # fills the static buffer for this size
+    return median_ms(engine.graphs.graphs[engine.graphs.size_for(ids.shape[0])].replay, repeats)
 
 
 def decode_table(model, batch_sizes, prompt_len: int, new: int, hf: bool, max_model_len: int = 2048) -> list:
@@ -370,23 +391,7 @@ def decode_table(model, batch_sizes, prompt_len: int, new: int, hf: bool, max_mo
                 graphs
             ):  # the forward alone: the graph of this batch replayed on a full batch at the last length
                 context = prompt_len + new - 1
-                nb = -(-context // 16)
-                tables = torch.arange(batch * nb, dtype=torch.int32).view(batch, nb)  # distinct pages
-                slots = [int(tables[i, -1]) * 16 + (context - 1) % 16 for i in range(batch)]
-                meta = AttentionMetadata.build([1] * batch, tables, [context] * batch, slots, 0)
-                meta.check_on_host(engine.kv_cache.num_blocks, 16)
-                ids, pos = torch.full((batch,), 7), torch.full((batch,), context - 1)
-                engine.graphs.run(ids, pos, meta)  # fills the static buffer for this size
-                b = engine.graphs.size_for(batch)
-                gpu = []
-                for _ in range(50):
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    engine.graphs.graphs[b].replay()
-                    end.record()
-                    torch.cuda.synchronize()
-                    gpu.append(start.elapsed_time(end))
-                row["gpu_ms"] = sorted(gpu)[len(gpu) // 2]
+                row["gpu_ms"] = replay_ms(engine, *full_decode_batch(engine, batch, context), repeats=50)
                 row["read_ms"] = (weight_bytes + batch * context * kv_per_token) / bw * 1e3
             del engine
             torch.cuda.empty_cache()
@@ -425,12 +430,7 @@ def profile_decode(model, batch: int, context: int = 255) -> None:
 
     engine = LLMEngine(model, block_size=16, num_blocks=batch * 16 + 64, max_model_len=2048,
                        max_num_seqs=max(batch, 8), max_cuda_graph_batch_size=max(batch, 8))  # fmt: skip
-    nb = -(-context // 16)
-    tables = torch.arange(batch * nb, dtype=torch.int32).view(batch, nb)
-    slots = [int(tables[i, -1]) * 16 + (context - 1) % 16 for i in range(batch)]
-    meta = AttentionMetadata.build([1] * batch, tables, [context] * batch, slots, 0)
-    meta.check_on_host(engine.kv_cache.num_blocks, 16, tables=False)
-    ids, pos = torch.full((batch,), 7), torch.full((batch,), context - 1)
+    ids, pos, meta = full_decode_batch(engine, batch, context)
     dev = model.device
     args = (ids.to(dev), pos.to(dev), engine.kv_cache, meta.to(dev))
     with torch.inference_mode():
@@ -442,17 +442,7 @@ def profile_decode(model, batch: int, context: int = 255) -> None:
             torch.cuda.synchronize()
     events = [e for e in prof.events() if e.device_type.name == "CUDA"]
     busy = sum(e.device_time_total for e in events) / 1e3  # ms
-    engine.graphs.run(ids, pos, meta)
-    b = engine.graphs.size_for(batch)
-    times = []
-    for _ in range(30):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        engine.graphs.graphs[b].replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    replay = sorted(times)[len(times) // 2]
+    replay = replay_ms(engine, ids, pos, meta, repeats=30)
     print(
         f"\nDecode forward at batch {batch}, context {context}: {len(events)} kernels, GPU busy {busy:.2f} "
         f"ms (sum of kernel times), graph replay {replay:.2f} ms; the largest kernel groups:"

@@ -193,23 +193,15 @@ def _validate_decode(query, key_cache, value_cache, block_tables, seq_lens, scal
     scale = _check_scale(scale, key_cache.shape[3])
     num_seqs = query.shape[0]
     _check_table_shapes(key_cache, block_tables, seq_lens, num_seqs)
+    lens = None
     if not check_tables:
         longest = block_tables.shape[1] * key_cache.shape[1]  # an upper bound: the torch path masks
-        args = DecodeArgs(
-            query.contiguous(),
-            key_cache.contiguous(),
-            value_cache.contiguous(),
-            _int32(block_tables),
-            _int32(seq_lens),
-            scale,
-            longest,
-        )
-        return args, None
-    if num_seqs == 0:
-        lens = np.zeros(0, dtype=np.int64)
+    elif num_seqs == 0:
+        lens, longest = np.zeros(0, dtype=np.int64), 0
     else:
         bt, lens = _host_view(block_tables, seq_lens)
         lens = _check_tables_host(bt, lens, key_cache.shape[0], key_cache.shape[1])
+        longest = int(lens.max())
     args = DecodeArgs(
         query.contiguous(),
         key_cache.contiguous(),
@@ -217,7 +209,7 @@ def _validate_decode(query, key_cache, value_cache, block_tables, seq_lens, scal
         _int32(block_tables),
         _int32(seq_lens),
         scale,
-        int(lens.max()) if num_seqs else 0,
+        longest,
     )
     return args, lens
 
