@@ -32,6 +32,13 @@ the same machine to compare tokens/s: on a workload that shares nothing it shoul
 --system-prompt N puts the same N-token system prompt (full-size tokens, scaled) before every prompt; the
 paged runs then print the prefix-cache hit rate and the prompt tokens they computed.
 
+CUDA graphs: engines on CUDA replay decode steps from graphs by default; --no-cuda-graphs runs them eagerly.
+--decode-table (with --batch-sizes, --prompt-len, --new-tokens) prints tokens/s at each batch size with and
+without graphs next to transformers' generate, the decode step's wall time, the GPU time of one decode
+forward (its graph replayed alone), the host time per step, and the time to read the weights and the KV
+cache once at the measured bandwidth. --profile-decode B lists the kernels of one decode forward.
+--policies / --workloads restrict the main runs (e.g. --policies paged --workloads sharegpt --no-hf).
+
 Chunked prefill: --chunked-prefill runs every engine with enable_chunked_prefill (prompts split so a step
 holds at most --max-num-batched-tokens tokens, default max(max_model_len, 2048)); compare tokens/s with and
 without on the same machine.
@@ -51,21 +58,28 @@ Recorded 2026-11-30 (same seeds; batch and memory do not depend on the model or 
   vllmini static 431, paged in the same 15,360 slots 3482, paged with room for all 64: 2652.
   (An earlier run the same day, before the model checked slots and tables once per forward instead of
   in every layer, gave paged 1704 tok/s: the per-layer host syncs cost half the step.)
+  2026-12-01, the same H200 with CUDA graphs (--decode-table, 128-token prompts x 128 new tokens): tokens/s
+  graphs / generate 25.4x at batch 1, 23.5x at 8, 14.4x at 64, 4.1x at 256; the decode forward at batch 64
+  takes 2.70 ms against 0.53 ms to read the weights and KV once (5.1x). Paged ShareGPT-like, 400 steps:
+  graphs 2730-3777 tok/s (eager 1618-1943); --prefix-caching -2.3% / -3.7%, --chunked-prefill +0.8% /
+  +4.0% (paired rounds); --system-prompt 512: prefix caching +33%.
   benchmarks/RESULTS.md has the tables.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from vllmini.engine import LLMEngine, SamplingParams, sharing_summary
 from vllmini.memory import sample_requests
-from vllmini.model import LlamaConfig, LlamaModel
+from vllmini.model import AttentionMetadata, LlamaConfig, LlamaModel
 
 PAPER = {  # Kwon et al. 2023, Fig. 13 (OPT-13B, mean batched requests) and Fig. 2 (KV memory with tokens)
     "batch": {
@@ -291,6 +305,156 @@ def engine_tokens_per_s(
     return len(prompts) * new_tokens / t.seconds
 
 
+def median_ms(fn, repeats: int) -> float:
+    """Median GPU time of fn() in ms: CUDA events around each call, synchronized after each."""
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def read_bandwidth(device, gib: float = 4.0, repeats: int = 20) -> float:
+    """Bytes/s of a torch.sum over `gib` GiB of random float32 (the read ceiling), median of CUDA events."""
+    x = torch.empty(int(gib * 2**30) // 4, dtype=torch.float32, device=device).normal_()
+    return int(gib * 2**30) / (median_ms(x.sum, repeats) / 1e3)
+
+
+def full_decode_batch(engine, batch: int, context: int):
+    """A decode step of `batch` sequences of `context` tokens on distinct pages (block size 16), as CPU
+    input_ids, positions and host-checked AttentionMetadata."""
+    nb = -(-context // 16)
+    tables = torch.arange(batch * nb, dtype=torch.int32).view(batch, nb)
+    slots = [int(tables[i, -1]) * 16 + (context - 1) % 16 for i in range(batch)]
+    meta = AttentionMetadata.build([1] * batch, tables, [context] * batch, slots, 0)
+    meta.check_on_host(engine.kv_cache.num_blocks, 16)
+    return torch.full((batch,), 7), torch.full((batch,), context - 1), meta
+
+
+def replay_ms(engine, ids, pos, meta, repeats: int) -> float:
+    """Median GPU time (CUDA events) of the engine's captured graph for this batch, replayed alone."""
+    engine.graphs.run(ids, pos, meta)  # fills the static buffer for this size
+    return median_ms(engine.graphs.graphs[engine.graphs.size_for(ids.shape[0])].replay, repeats)
+
+
+def decode_table(model, batch_sizes, prompt_len: int, new: int, hf: bool, max_model_len: int = 2048) -> list:
+    """Tokens/s at each batch size (B prompts of prompt_len random tokens, `new` greedy tokens each) for
+    transformers' generate and the engine with and without CUDA graphs; the median decode-step wall time of
+    each engine; the GPU time of one decode forward (the captured graph replayed alone, CUDA events, median
+    of 50); host time per step = step wall time - that GPU time; and the time to read the weights and the
+    batch's KV cache once at the measured read bandwidth."""
+    device, cfg = model.device, model.config
+    bw = read_bandwidth(device)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * model.dtype.itemsize
+    print(
+        f"\nDecode table: {prompt_len}-token random prompts x {new} new tokens, greedy, {model.dtype}; read "
+        f"bandwidth {bw / 1e12:.2f} TB/s (torch.sum over 4 GiB), weights {weight_bytes / 1e9:.2f} GB, "
+        f"KV {kv_per_token / 1024:.0f} KiB/token"
+    )
+    rows = []
+    for batch in batch_sizes:
+        g = torch.Generator().manual_seed(batch)
+        prompts = torch.randint(3, cfg.vocab_size, (batch, prompt_len), generator=g).tolist()
+        row = {"batch": batch, "hf_tok_s": hf_generate_tokens_per_s(model, prompts, new) if hf else None}
+        for graphs in (False, True):
+            engine = LLMEngine(
+                model,
+                block_size=16,
+                num_blocks=batch * -(-(prompt_len + new) // 16) + 64,
+                max_model_len=max_model_len,
+                max_num_seqs=max(batch, 8),
+                use_cuda_graphs=graphs,
+                max_cuda_graph_batch_size=min(max(batch, 8), 512),
+            )
+            params = SamplingParams(max_tokens=new, ignore_eos=True)
+            engine.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+            for p in prompts:
+                engine.add_request(p, params)
+            first, step_times = len(engine.stats), []
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            while engine.has_unfinished_requests():
+                t = time.perf_counter()
+                engine.step()
+                step_times.append((time.perf_counter() - t, engine.stats[-1]))
+            seconds = time.perf_counter() - t0
+            decode = sorted(t for t, st in step_times if st.num_prefills == 0 and st.num_decodes == batch)
+            key = "graph" if graphs else "eager"
+            row[f"{key}_tok_s"] = sum(st.num_generated for st in engine.stats[first:]) / seconds
+            row[f"{key}_step_ms"] = decode[len(decode) // 2] * 1e3
+            if (
+                graphs
+            ):  # the forward alone: the graph of this batch replayed on a full batch at the last length
+                context = prompt_len + new - 1
+                row["gpu_ms"] = replay_ms(engine, *full_decode_batch(engine, batch, context), repeats=50)
+                row["read_ms"] = (weight_bytes + batch * context * kv_per_token) / bw * 1e3
+            del engine
+            torch.cuda.empty_cache()
+        row["eager_host_ms"] = row["eager_step_ms"] - row["gpu_ms"]
+        row["graph_host_ms"] = row["graph_step_ms"] - row["gpu_ms"]
+        rows.append(row)
+        hf_s = f"{row['hf_tok_s']:8.0f}" if hf else "       -"
+        tqdm.write(
+            f"  batch {batch:4d}: generate {hf_s} tok/s | eager {row['eager_tok_s']:8.0f} tok/s, step "
+            f"{row['eager_step_ms']:6.2f} ms | graphs {row['graph_tok_s']:8.0f} tok/s, step "
+            f"{row['graph_step_ms']:6.2f} ms | GPU forward {row['gpu_ms']:6.2f} ms, read once "
+            f"{row['read_ms']:5.2f} ms ({row['gpu_ms'] / row['read_ms']:.2f}x) | host/step eager "
+            f"{row['eager_host_ms']:5.2f} ms, graphs {row['graph_host_ms']:5.2f} ms"
+        )
+    head = "batch | generate tok/s | eager tok/s | graphs tok/s | graphs/generate | step eager ms"
+    print(
+        "\n"
+        + head
+        + " | step graphs ms | GPU fwd ms | read once ms | host/step eager ms | host/step graphs ms"
+    )
+    for r in rows:
+        ratio = f"{r['graph_tok_s'] / r['hf_tok_s']:.1f}x" if r["hf_tok_s"] else "-"
+        hf_s = f"{r['hf_tok_s']:.0f}" if r["hf_tok_s"] else "-"
+        print(
+            f"{r['batch']} | {hf_s} | {r['eager_tok_s']:.0f} | {r['graph_tok_s']:.0f} | {ratio} | "
+            f"{r['eager_step_ms']:.2f} | {r['graph_step_ms']:.2f} | {r['gpu_ms']:.2f} | {r['read_ms']:.2f} | "
+            f"{r['eager_host_ms']:.2f} | {r['graph_host_ms']:.2f}"
+        )
+    return rows
+
+
+def profile_decode(model, batch: int, context: int = 255) -> None:
+    """Where one decode forward's GPU time goes: torch.profiler over the eager forward of `batch`
+    sequences of `context` tokens (the kernels a graph replays), against the graph's replay time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = LLMEngine(model, block_size=16, num_blocks=batch * 16 + 64, max_model_len=2048,
+                       max_num_seqs=max(batch, 8), max_cuda_graph_batch_size=max(batch, 8))  # fmt: skip
+    ids, pos, meta = full_decode_batch(engine, batch, context)
+    dev = model.device
+    args = (ids.to(dev), pos.to(dev), engine.kv_cache, meta.to(dev))
+    with torch.inference_mode():
+        for _ in range(3):
+            model(*args, backend=engine.backend)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            model(*args, backend=engine.backend)
+            torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    busy = sum(e.device_time_total for e in events) / 1e3  # ms
+    replay = replay_ms(engine, ids, pos, meta, repeats=30)
+    print(
+        f"\nDecode forward at batch {batch}, context {context}: {len(events)} kernels, GPU busy {busy:.2f} "
+        f"ms (sum of kernel times), graph replay {replay:.2f} ms; the largest kernel groups:"
+    )
+    by_name: dict = {}
+    for e in events:
+        n, t = by_name.get(e.name, (0, 0.0))
+        by_name[e.name] = (n + 1, t + e.device_time_total / 1e3)
+    for name, (n, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:12]:
+        print(f"  {t:6.3f} ms  {n:4d} x  {name[:90]}")
+
+
 def plot(main: list[Result], by_len: list[Result], by_block: list[Result], path: str) -> None:
     import matplotlib
 
@@ -403,10 +567,32 @@ def main() -> None:
         metavar="N",
         help="start every prompt with the same N-token system prompt (full-size tokens, divided by --scale)",
     )
+    ap.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="every engine with use_cuda_graphs on/off (default: the engine's, on for CUDA)",
+    )
+    ap.add_argument(
+        "--decode-table",
+        action="store_true",
+        help="only the decode table: tokens/s with and without CUDA graphs vs generate, step times",
+    )
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64, 256], help="decode table")
+    ap.add_argument("--profile-decode", type=int, nargs="*", metavar="B", help="kernels of a decode forward")
+    ap.add_argument("--prompt-len", type=int, default=128, help="decode table: prompt tokens")
+    ap.add_argument("--new-tokens", type=int, default=128, help="decode table: tokens generated")
+    ap.add_argument("--workloads", nargs="+", default=["sharegpt", "alpaca"], choices=["sharegpt", "alpaca"])
+    ap.add_argument(
+        "--policies", nargs="+", default=["static", "oracle", "paged"], choices=["static", "oracle", "paged"]
+    )
+    ap.add_argument("--json", metavar="PATH", help="write the results (and the decode table) here")
     args = ap.parse_args()
     ENGINE_OPTIONS.update(
         enable_chunked_prefill=args.chunked_prefill, max_num_batched_tokens=args.max_num_batched_tokens
     )
+    if args.cuda_graphs is not None:
+        ENGINE_OPTIONS["use_cuda_graphs"] = args.cuda_graphs
     scale = args.scale or (4 if args.device == "cpu" else 1)
     steps = args.steps or (1000 if args.device == "cuda" else 500)
     warmup = steps // 5
@@ -427,6 +613,16 @@ def main() -> None:
         + (f", {args.max_num_batched_tokens} tokens per step" if args.max_num_batched_tokens else "")
         + (f", shared system prompt of {args.system_prompt // scale} tokens" if args.system_prompt else "")
     )
+
+    if args.profile_decode:
+        for batch in args.profile_decode:
+            profile_decode(model, batch)
+        return
+    if args.decode_table:
+        rows = decode_table(model, args.batch_sizes, args.prompt_len, args.new_tokens, args.hf is not False)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"decode_table": rows}, indent=1))
+        return
 
     def runs(configs, title):
         out = []
@@ -458,18 +654,18 @@ def main() -> None:
         return out
 
     main_runs = runs(
-        [
-            (w, p, max_len, block, steps)
-            for w in ("sharegpt", "alpaca")
-            for p in ("static", "oracle", "paged")
-        ],
+        [(w, p, max_len, block, steps) for w in args.workloads for p in args.policies],
         "static vs paged",
     )
     print_table(
         main_runs, f"Static vs paged, same model and KV budget ({kv_slots} slots, max_model_len {max_len})"
     )
-    for w in ("sharegpt", "alpaca"):
+    if args.json:
+        Path(args.json).write_text(json.dumps([vars(r) for r in main_runs], indent=1))
+    for w in args.workloads:
         rs = {r.policy: r for r in main_runs if r.workload == w}
+        if len(rs) < 3:
+            continue
         print(
             f"{w}: paged/static mean batch {rs['paged'].mean_batch / rs['static'].mean_batch:.1f}x "
             f"(paper {PAPER['batch'][w]['paged'] / PAPER['batch'][w]['static']:.1f}x), "

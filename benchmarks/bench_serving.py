@@ -43,6 +43,9 @@ Orca (Max), 1.7-2.7x over Orca (Oracle)):
   scale 1/8 (notebook 06, 4 s traces): 19.2 / 58.3 / 87.8 requests/s   4.57x, 1.51x
   Alpaca-like, scale 1/4: 44.4 / 335 / 445 requests/s   10.0x, 1.33x (static still fits only 7 requests
                         of ~20 tokens in slots for 7 x 512)
+Recorded 2026-12-01 on one H200 (wall clock, scale 1/2, CUDA graphs on; benchmarks/RESULTS.md): static 16.8
+/ oracle 26.3 / paged 29.3 requests/s, 1.75x and 1.11x (static's own low-rate reference is high; against
+one common threshold, 5x paged's lowest-rate latency: static 12.3, paged / static 2.4x).
 Our oracle beats the paper's (as in bench_engine.py's batch sizes): it reserves exactly each request's
 length from one pool, with no fragmentation between reservations.
 """

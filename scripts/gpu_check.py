@@ -4,6 +4,7 @@
     PYTHONPATH=. python scripts/gpu_check.py sanitize  # compute-sanitizer memcheck and racecheck
     PYTHONPATH=. python scripts/gpu_check.py bench     # bench_attention.py --preset h200, bench_engine.py
     PYTHONPATH=. python scripts/gpu_check.py serve     # bench_serving.py: latency against request rate
+    PYTHONPATH=. python scripts/gpu_check.py engine    # bench_engine.py: CUDA graphs, prefix caching, chunks
     PYTHONPATH=. python scripts/gpu_check.py all       # all four (longer than 10 minutes)
     python scripts/gpu_check.py pack                   # beforehand, with pip access: wheels into .whl/
 
@@ -183,6 +184,46 @@ def tier_serve():
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_serving.py"), "--device", "cuda",
            "--time-budget", "420", *files]  # fmt: skip
     run_item("serve", "bench_serving --device cuda", cmd, 540, deadline)
+
+
+ENGINE_VARIANTS = (  # (item, bench_engine.py flags): paged ShareGPT-like runs, side by side, alternating
+    ("graphs", ["--cuda-graphs"]),
+    ("graphs + prefix caching", ["--cuda-graphs", "--prefix-caching"]),
+    ("graphs + chunked prefill", ["--cuda-graphs", "--chunked-prefill"]),
+    ("graphs (again)", ["--cuda-graphs"]),
+    ("graphs + prefix caching (again)", ["--cuda-graphs", "--prefix-caching"]),
+    ("graphs + chunked prefill (again)", ["--cuda-graphs", "--chunked-prefill"]),
+    ("graphs + system prompt 512", ["--cuda-graphs", "--system-prompt", "512"]),
+    (
+        "graphs + system prompt 512 + prefix caching",
+        ["--cuda-graphs", "--system-prompt", "512", "--prefix-caching"],
+    ),
+    ("eager", ["--no-cuda-graphs"]),
+)
+
+
+def tier_engine(debug: bool = False):
+    """bench_engine.py on the GPU: the decode table (tokens/s with and without CUDA graphs against
+    transformers' generate, step times against the read time), then the paged ShareGPT-like run under
+    each of ENGINE_VARIANTS. Every log is concatenated into $OUT/engine_logs.txt (few files come back)."""
+    deadline = time.time() + TIER_BUDGET_S
+    py, bench = sys.executable, str(ROOT / "benchmarks" / "bench_engine.py")
+    OUT.mkdir(parents=True, exist_ok=True)
+    if debug:  # the first batch size alone, every launch synchronous: an error names its op
+        cmd = [py, bench, "--device", "cuda", "--decode-table", "--batch-sizes", "1", "--no-hf"]
+        run_item(
+            "engine", "decode table batch 1 (blocking)", cmd, 120, deadline, env={"CUDA_LAUNCH_BLOCKING": "1"}
+        )
+    cmd = [py, bench, "--device", "cuda", "--decode-table", "--json", str(OUT / "decode_table.json")]
+    run_item("engine", "decode table", cmd, 240, deadline)
+    for name, flags in ENGINE_VARIANTS:
+        cmd = [py, bench, "--device", "cuda", "--no-hf", "--policies", "paged", "--workloads", "sharegpt",
+               "--steps", "400", *flags]  # fmt: skip
+        run_item("engine", f"paged sharegpt {name}", cmd, 90, deadline)
+    with open(OUT / "engine_logs.txt", "w") as joined:
+        for log in sorted(OUT.glob("engine_*.log")):
+            joined.write(f"==== {log.name}\n{log.read_text()}\n")
+            log.unlink()
 
 
 # ----------------------------------------------------------------------------- the kernel driver
@@ -452,12 +493,15 @@ def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "_kernel_driver":
         return kernel_driver(*sys.argv[2:3])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("tier", choices=["quick", "sanitize", "bench", "serve", "all"])
+    parser.add_argument(
+        "tier", choices=["quick", "sanitize", "bench", "serve", "engine", "engine-debug", "all"]
+    )
     args = parser.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     write_env()
     tiers = {"quick": tier_quick, "sanitize": tier_sanitize, "bench": tier_bench, "serve": tier_serve}
-    for name in tiers if args.tier == "all" else [args.tier]:
+    tiers |= {"engine": tier_engine, "engine-debug": lambda: tier_engine(debug=True)}
+    for name in ("quick", "sanitize", "bench", "serve") if args.tier == "all" else [args.tier]:
         tiers[name]()
     return summary()
 

@@ -52,9 +52,11 @@ def host_path(request, monkeypatch):
     """Run the table checks both ways: CPU tensors viewed in place, and the one device->host copy that
     CUDA tensors take (`_host_copy`, exercised here on the CPU)."""
     import vllmini.attention as attention
+    import vllmini.attention_checks as attention_checks
 
     if request.param == "copy":
-        monkeypatch.setattr(attention, "_host_view", attention._host_copy)
+        for module in (attention, attention_checks):
+            monkeypatch.setattr(module, "_host_view", attention_checks._host_copy)
     return request.param
 
 
@@ -284,6 +286,21 @@ def test_prefill_strided_inputs():
     assert not (q.is_contiguous() or kc.is_contiguous() or qsl.is_contiguous())
     args = (q, kc, case["value_cache"], case["block_tables"], case["seq_lens"], qsl)
     assert_close(paged_prefill_attention(*args), ref)
+
+
+@given(
+    seed=st.integers(0, 2**16),
+    layout=st.sampled_from([(4, 4), (4, 2), (4, 1), (6, 3)]),
+    block_size=st.sampled_from([1, 4, 16]),
+    lens=st.lists(st.tuples(st.integers(1, 40), st.integers(0, 39)), min_size=1, max_size=5),
+)
+def test_prefill_property_ragged_chunks_gqa(seed, layout, block_size, lens):
+    """The one-call batched prefill against float64, token by token: ragged lengths, GQA/MQA, and
+    chunks that start at any position k > 0 (query rows are the last n of seq_len)."""
+    seq_lens = [s for s, _ in lens]
+    query_lens = [s - min(k, s - 1) for s, k in lens]  # k tokens already cached, the rest new
+    case = make_prefill_case(seed, *layout, 16, block_size, seq_lens, query_lens)
+    assert_close(prefill(case), reference_prefill(case))
 
 
 def test_chunked_prefill_equals_whole_prefill():

@@ -437,7 +437,7 @@ def test_engine_config_from_keywords_config_or_both(model):
             "enable_prefix_caching needs policy 'paged'",
         ),
         (dict(enable_chunked_prefill=1), InvalidTypeError, "enable_chunked_prefill must be a bool"),
-        (dict(use_cuda_graphs=True), InvalidArgumentError, "use_cuda_graphs=True is not implemented"),
+        (dict(max_cuda_graph_batch_size=513), InvalidArgumentError, "max_cuda_graph_batch_size"),
         (dict(use_cuda_graphs=1), InvalidTypeError, "use_cuda_graphs must be a bool"),
         (dict(blocksize=4), InvalidTypeError, "unknown engine option.*blocksize"),
     ],
@@ -450,6 +450,12 @@ def test_engine_config_rejects_bad_options(model, kwargs, error, message):
     if "blocksize" not in kwargs:
         with pytest.raises(error, match=message):
             EngineConfig(**kwargs)
+
+
+def test_cuda_graphs_are_off_on_the_cpu_and_refused_there(model):
+    assert LLMEngine(model, num_blocks=8).graphs is None  # the default (None): on for CUDA only
+    with pytest.raises(InvalidArgumentError, match="use_cuda_graphs=True needs a CUDA model"):
+        LLMEngine(model, num_blocks=8, use_cuda_graphs=True)
 
 
 def test_engine_config_checks_against_the_model(model):

@@ -304,3 +304,16 @@ def test_check_slot_mapping_and_the_unchecked_write():
     torch.testing.assert_close(kc.view(8, 1, 2)[slots], k)
     torch.testing.assert_close(vc.view(8, 1, 2)[slots], v)
     assert torch.isnan(kc.view(8, 1, 2)[[1, 2, 4, 5, 7]]).all()  # nothing else written
+
+
+def test_padding_rows_are_not_written_without_a_sync():
+    """padding=True (a CUDA graph's batch): -1 rows rewrite row 0's slot with row 0's bytes, nothing else."""
+    kc, vc = torch.full((3, 4, 2, 8), float("nan")), torch.full((3, 4, 2, 8), float("nan"))
+    k, v = torch.randn(5, 2, 8), torch.randn(5, 2, 8)
+    slots = torch.tensor([9, 2, -1, 4, -1])
+    reshape_and_cache(k, v, kc, vc, slots, validate=False, padding=True)
+    real = slots >= 0
+    torch.testing.assert_close(kc.view(12, 2, 8)[slots[real]], k[real], rtol=0, atol=0)
+    torch.testing.assert_close(vc.view(12, 2, 8)[slots[real]], v[real], rtol=0, atol=0)
+    untouched = [s for s in range(12) if s not in (9, 2, 4)]
+    assert torch.isnan(kc.view(12, 2, 8)[untouched]).all() and torch.isnan(vc.view(12, 2, 8)[untouched]).all()

@@ -383,3 +383,28 @@ def test_rope_frequencies_stay_float32_when_the_model_is_cast():
     model = LlamaModel(cfg).to(torch.bfloat16)
     assert model.inv_freq.dtype == torch.float32
     torch.testing.assert_close(model.inv_freq, rope_inv_freq(cfg), rtol=0, atol=0)
+
+
+def test_metadata_checked_on_host_then_moved_skips_the_forward_checks(checkpoint, monkeypatch):
+    """check_on_host raises what the forward would; once it passed, the forward checks nothing again
+    (on a GPU each check is a sync) and gives the same logits."""
+    import vllmini.model as model_module
+
+    model = LlamaModel.from_pretrained(checkpoint, dtype=torch.float32)
+    cache = PagedKVCache(2, 2, 16, 4, num_blocks=4, dtype=torch.float32)
+    bad = AttentionMetadata.build([1], torch.tensor([[5]], dtype=torch.int32), [2], [1], 0)
+    with pytest.raises(ValueError, match=r"block_tables\[0, 0\] = 5"):
+        bad.check_on_host(4, 4)
+    bad = AttentionMetadata.build([2], torch.tensor([[0]], dtype=torch.int32), [2], [1, 1], 1)
+    with pytest.raises(ValueError, match="slot 1 more than once"):
+        bad.check_on_host(4, 4)
+    assert not bad.host_checked
+    meta, _ = prefill_meta([3], 4, first_block=1)
+    ids, pos = torch.tensor([1, 2, 3]), torch.arange(3)
+    want = model(ids, pos, cache, meta)
+    meta.check_on_host(4, 4)
+    moved = meta.to("cpu")
+    assert moved.host_checked and moved.last_token_indices.tolist() == [2]
+    monkeypatch.setattr(model_module, "check_slot_mapping", lambda *a, **k: pytest.fail("checked twice"))
+    monkeypatch.setattr(model_module, "check_block_tables", lambda *a, **k: pytest.fail("checked twice"))
+    torch.testing.assert_close(model(ids, pos, cache, moved), want, rtol=0, atol=0)

@@ -34,8 +34,12 @@ class EngineConfig:
     enable_chunked_prefill: split prompts over several steps so a step never exceeds
                             max_num_batched_tokens: running decodes go first, prefills take chunks of
                             what is left (vLLM's chunked prefill; Agrawal et al., Sarathi, 2023).
-    use_cuda_graphs:        capture decode steps as CUDA graphs (not implemented yet: True raises
-                            InvalidArgumentError).
+    use_cuda_graphs:        replay decode-only steps from CUDA graphs captured at start-up, one per
+                            padded batch size 1, 2, 4, 8, 16, 24, ... max_cuda_graph_batch_size
+                            (vllmini.cuda_graphs);
+                            prefill/mixed steps and larger batches run eagerly. None (default): on for a
+                            CUDA model with backend "cupy" or "torch", off on the CPU (True there raises).
+    max_cuda_graph_batch_size: the largest decode batch replayed from a graph (at most 512).
     """
 
     block_size: int = 16
@@ -51,7 +55,8 @@ class EngineConfig:
     seed: int = 0
     enable_prefix_caching: bool = False
     enable_chunked_prefill: bool = False
-    use_cuda_graphs: bool = False
+    use_cuda_graphs: bool | None = None
+    max_cuda_graph_batch_size: int = 256
 
     def __post_init__(self):
         self.block_size = as_int(self.block_size, "block_size", min=1)
@@ -86,8 +91,11 @@ class EngineConfig:
         if self.enable_prefix_caching and self.policy != "paged":
             raise InvalidArgumentError(f"enable_prefix_caching needs policy 'paged', got {self.policy!r}")
         self.enable_chunked_prefill = as_bool(self.enable_chunked_prefill, "enable_chunked_prefill")
-        if as_bool(self.use_cuda_graphs, "use_cuda_graphs"):
-            raise InvalidArgumentError("use_cuda_graphs=True is not implemented yet")
+        if self.use_cuda_graphs is not None:
+            self.use_cuda_graphs = as_bool(self.use_cuda_graphs, "use_cuda_graphs")
+        self.max_cuda_graph_batch_size = as_int(
+            self.max_cuda_graph_batch_size, "max_cuda_graph_batch_size", min=1, max=512
+        )
         if self.max_model_len is not None:
             self.check_batched_tokens(self.max_model_len)
 

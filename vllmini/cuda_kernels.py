@@ -28,19 +28,27 @@ import functools
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from vllmini.checks import as_int, cdiv, one_of
+from vllmini.checks import as_int, one_of
 from vllmini.errors import InvalidArgumentError, InvalidTypeError, KernelBuildError
+from vllmini.launch_plan import (  # noqa: F401 (re-exported: every name importable from here)
+    EMULATOR_SMS,
+    MERGE_THREADS,
+    MIN_SPLIT_TOKENS,
+    SPLIT_TARGET_BLOCKS_PER_SM,
+    WARP_SIZE,
+    LaunchPlan,
+    launch_plan,
+    num_sms,
+)
 
 RUNTIMES = ("cupy", "emulator")
 ARCHS = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90")  # T4, A100, RTX 30xx/A10, L4/RTX 40xx, H100/H200
 NVRTC_OPTIONS = ("--std=c++17",)
 
-WARP_SIZE = 32
 MAX_HEAD_SIZE = 256  # versions 2-5: head_size / 32 floats per lane in registers
 MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
 DEFAULT_SHARED_BYTES = 48 * 1024  # dynamic shared memory a block gets without opting in
@@ -260,83 +268,6 @@ def _emulator_kernel(file: str, function: str):
 
 # ----------------------------------------------------------------------------- launching any version
 
-EMULATOR_SMS = 4  # the "multiprocessors" launch_plan assumes for the emulator (a CPU runs blocks one by one)
-SPLIT_TARGET_BLOCKS_PER_SM = 8  # version 5 splits contexts until the grid has this many blocks per SM
-MIN_SPLIT_TOKENS = (
-    256  # ... but never into pieces shorter than this (the merge would cost more than it gains)
-)
-MERGE_THREADS = 128
-
-
-class LaunchPlan(NamedTuple):
-    """How one call launches a version: the main kernel's shape and, for version 5, its work split."""
-
-    grid: tuple[int, int, int]
-    block: tuple[int, int, int]
-    shared_mem: int  # dynamic shared memory, bytes
-    heads_per_block: int  # query heads one block serves (version 5: a GQA group, at most 4)
-    num_splits: int  # context pieces per (sequence, head block); > 1 adds the merge kernel
-    pages_per_split: int
-    options: tuple[str, ...]  # extra NVRTC options (version 5 compiles one head-size copy per module)
-
-
-@functools.cache
-def num_sms(device_index: int) -> int:
-    """Streaming multiprocessors of a CUDA device (asked once)."""
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def launch_plan(
-    version: KernelVersion,
-    num_seqs: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_size: int,
-    block_size: int,
-    max_num_blocks_per_seq: int,
-    dtype: torch.dtype,
-    sms: int,
-    num_splits: int | None = None,
-) -> LaunchPlan:
-    """The launch of `version` for these sizes on a GPU with `sms` multiprocessors.
-
-    Versions 1-4: one block per (sequence, query head). Version 5: one block per (sequence, group of
-    heads_per_block query heads sharing a KV head, context piece); heads_per_block is the largest of 4, 2,
-    1 that divides the GQA group (2 at most for 16-bit head sizes above 128: registers). The context is
-    split when the grid would have fewer than SPLIT_TARGET_BLOCKS_PER_SM blocks per SM, into as many
-    pieces as fill it but none shorter than MIN_SPLIT_TOKENS tokens. The lengths are not known on the
-    host without a sync, so the pieces are cut from the block table's width (max_num_blocks_per_seq *
-    block_size); a piece past a shorter sequence's end exits at once. `num_splits` forces a count."""
-    chunks = cdiv(head_size, WARP_SIZE)  # 32-dim chunks of a head
-    if version.number < 5:
-        if version.number == 1:
-            shared_mem = (max_num_blocks_per_seq * block_size + version.threads) * 4  # scores + scratch
-        else:
-            shared_mem = (version.threads // 16) * (head_size + 2) * 4  # per lane group: max, sum, output
-        return LaunchPlan(
-            (num_seqs, num_heads, 1), (version.threads, 1, 1), shared_mem, 1, 1, max_num_blocks_per_seq, ()
-        )
-    group = num_heads // num_kv_heads
-    sixteen = dtype != torch.float32
-    hb_max = 1 if group == 1 else (2 if sixteen and chunks > 4 else 4)
-    heads_per_block = max(h for h in (4, 2, 1) if h <= hb_max and group % h == 0)
-    compiled_hb = 1 if heads_per_block == 1 else hb_max  # the copy's HBMAX (registers, shared memory)
-    blocks = num_seqs * (num_heads // heads_per_block)
-    if num_splits is None:
-        target = SPLIT_TARGET_BLOCKS_PER_SM * sms
-        longest = max_num_blocks_per_seq * block_size
-        num_splits = 1 if blocks >= target else min(cdiv(target, blocks), max(1, longest // MIN_SPLIT_TOKENS))
-    num_splits = max(1, min(num_splits, max_num_blocks_per_seq))
-    pages_per_split = cdiv(max_num_blocks_per_seq, num_splits)
-    num_splits = cdiv(max_num_blocks_per_seq, pages_per_split)  # no empty piece at the end
-    lane_group = 16 if sixteen else 32
-    shared_mem = (version.threads // lane_group) * compiled_hb * (head_size + 2) * 4
-    options = (f"-DVLLMINI_ONLY_CHUNKS={chunks}", f"-DVLLMINI_ONLY_GQA={int(heads_per_block > 1)}")
-    grid = (num_seqs, num_heads // heads_per_block, num_splits)
-    return LaunchPlan(
-        grid, (version.threads, 1, 1), shared_mem, heads_per_block, num_splits, pages_per_split, options
-    )
-
 
 def _check_launch_inputs(runtime, tensors, names, query, key_cache, version) -> None:
     """What no kernel survives: wrong runtime/device, dtypes, layout, head size, grid limits."""
@@ -438,74 +369,41 @@ def paged_attention_kernel(
     raw = [t if t.dtype == torch.float32 else t.view(torch.uint16) for t in (query, key_cache, value_cache)]
     ints = (block_size, num_heads, head_size, num_kv_heads, max_num_blocks_per_seq)
     if v.number < 5:  # (out float32, q, k, v, tables, lens, sizes..., scale); out cast after
-        out32 = (
+        out_raw = (
             out
             if out.dtype == torch.float32
             else torch.empty(out.shape, dtype=torch.float32, device=out.device)
         )
-        args = (out32, *raw, block_tables, seq_lens, *map(np.int32, ints), np.float32(scale))
+        args = (out_raw, *raw, block_tables, seq_lens, *map(np.int32, ints), np.float32(scale))
+        options = ()
+    else:  # (out, split partials, q, k, v, tables, lens, guard record, sizes..., scale)
+        out_raw = out if out.dtype == torch.float32 else out.view(torch.uint16)
+        part_out = part_ml = None
+        if plan.num_splits > 1:
+            part_out = torch.empty(
+                num_seqs, num_heads, plan.num_splits, head_size, dtype=torch.float32, device=out.device
+            )
+            part_ml = torch.empty(
+                num_seqs, num_heads, plan.num_splits, 2, dtype=torch.float32, device=out.device
+            )
+        sizes = (num_blocks, *ints, plan.heads_per_block, plan.pages_per_split)
+        args = (out_raw, part_out, part_ml, *raw, block_tables, seq_lens, error, *map(np.int32, sizes),
+                np.float32(scale))  # fmt: skip
+        options = plan.options if runtime == "cupy" else ()  # the emulator builds every copy once
+
+    def launch(function: str, grid, block, launch_args, shared_mem: int) -> None:
         _launch(
-            v.file,
-            v.function(query.dtype),
-            runtime,
-            query.device,
-            plan.grid,
-            plan.block,
-            args,
-            plan.shared_mem,
-            source,
-            (),
+            v.file, function, runtime, query.device, grid, block, launch_args, shared_mem, source, options
         )
-        if out32 is not out:
-            out.copy_(out32)  # the kernel accumulates and writes float32; round once, here
-        return out
-    out_raw = out if out.dtype == torch.float32 else out.view(torch.uint16)
-    part_out = part_ml = None
-    if plan.num_splits > 1:
-        part_out = torch.empty(
-            num_seqs, num_heads, plan.num_splits, head_size, dtype=torch.float32, device=out.device
-        )
-        part_ml = torch.empty(num_seqs, num_heads, plan.num_splits, 2, dtype=torch.float32, device=out.device)
-    sizes = (num_blocks, *ints, plan.heads_per_block, plan.pages_per_split)
-    args = (
-        out_raw,
-        part_out,
-        part_ml,
-        *raw,
-        block_tables,
-        seq_lens,
-        error,
-        *map(np.int32, sizes),
-        np.float32(scale),
-    )
-    options = plan.options if runtime == "cupy" else ()  # the emulator builds every copy once
-    _launch(
-        v.file,
-        v.function(query.dtype),
-        runtime,
-        query.device,
-        plan.grid,
-        plan.block,
-        args,
-        plan.shared_mem,
-        source,
-        options,
-    )
-    if plan.num_splits > 1:
+
+    launch(v.function(query.dtype), plan.grid, plan.block, args, plan.shared_mem)
+    if v.number < 5:
+        if out_raw is not out:
+            out.copy_(out_raw)  # the kernel accumulates and writes float32; round once, here
+    elif plan.num_splits > 1:
         merge_args = (out_raw, part_out, part_ml, np.int32(plan.num_splits), np.int32(head_size))
         merge = f"{v.file}_merge{DTYPE_SUFFIX[query.dtype]}"
-        _launch(
-            v.file,
-            merge,
-            runtime,
-            query.device,
-            (num_seqs, num_heads, 1),
-            (MERGE_THREADS, 1, 1),
-            merge_args,
-            0,
-            source,
-            options,
-        )
+        launch(merge, (num_seqs, num_heads, 1), (MERGE_THREADS, 1, 1), merge_args, 0)
     return out
 
 

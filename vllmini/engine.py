@@ -25,6 +25,12 @@ sums up what sharing saved over a run.
 take the rest in chunks, so a long prompt no longer stalls them (a chunk that stops before the prompt's
 end samples nothing; a failed step undoes its chunks too).
 
+On a GPU (vllmini.cuda_graphs): the step's inputs are built and checked on the host and copied over from
+pinned memory, so the forward makes no host sync; decode-only steps of up to max_cuda_graph_batch_size
+sequences replay a CUDA graph captured when the engine is built (use_cuda_graphs, on by default on CUDA),
+padded to the next captured size; prefill and mixed steps, and larger batches, run eagerly. A step syncs
+twice: to read the kernels' guard record, and to bring the sampled tokens to the host.
+
 Sampling the batch: greedy rows share one argmax; sampled rows go through temperature, top-k and top-p
 together as tensor ops; only the multinomial draw is one call per request, from its own generator.
 SamplingParams also takes stop strings (`stop`, with a tokenizer), per-token `logprobs` and an
@@ -41,7 +47,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from vllmini.attention import check_kernel_errors
+from vllmini.attention import check_kernel_errors, guarded_by_default, to_device
 from vllmini.checks import as_int, cdiv
 from vllmini.config import EngineConfig, make_config
 from vllmini.errors import EngineStateError, InvalidArgumentError, InvalidTypeError
@@ -94,6 +100,11 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
         self.backend = self._resolve_backend(config.backend)  # "torch", "cupy" or "emulator"
+        self.graphs = self._capture_graphs(config.use_cuda_graphs)  # a DecodeGraphs, or None: eager
+        # the decode kernels check page ids on the GPU: the engine checks only the slots on the host
+        self._guarded = self.device.type == "cuda" and guarded_by_default(
+            self.backend, self.device, model.dtype
+        )
         self.tokenizer = model.tokenizer
         self.inputs = InputProcessor(self.tokenizer, model.config.vocab_size)
         self.outputs = OutputProcessor(self.tokenizer, set(model.eos_token_ids))
@@ -173,6 +184,29 @@ class LLMEngine:
                 f"backend {backend!r} cannot run this model ({self.model.dtype} on {self.device}): {e}"
             ) from e
         return concrete
+
+    def _capture_graphs(self, wanted: bool | None):
+        """Capture the decode CUDA graphs (vllmini.cuda_graphs) before any request runs, or None.
+        wanted None: on for a CUDA model whose backend a graph can hold ("cupy", "torch")."""
+        cuda = self.device.type == "cuda"
+        if wanted is None:
+            wanted = cuda and self.backend in ("cupy", "torch")
+        if not wanted:
+            return None
+        if not cuda or self.backend not in ("cupy", "torch"):
+            raise InvalidArgumentError(
+                f"use_cuda_graphs=True needs a CUDA model and backend 'cupy' or 'torch', got device "
+                f"{self.device} and backend {self.backend!r}"
+            )
+        from vllmini.cuda_graphs import DecodeGraphs
+
+        c = self.config
+        size = min(c.max_cuda_graph_batch_size, c.max_num_seqs)
+        graphs = DecodeGraphs(
+            self.model, self.kv_cache, self.backend, size, cdiv(c.max_model_len, c.block_size)
+        )
+        graphs.capture()
+        return graphs
 
     # -------------------------------------------------------------------------
     # requests
@@ -281,8 +315,19 @@ class LLMEngine:
         """The batch's forward, then one token per sequence that completes its tokens (or the exception
         its sampling raised), and the logprobs of those that ask for them (else None). Appends
         (sequence, generator state) to `saved` before a generator is used."""
-        input_ids, positions, meta = self.scheduler.build_inputs(out, device=self.device)
-        logits = self.model(input_ids, positions, self.kv_cache, meta, backend=self.backend)  # (S, V)
+        input_ids, positions, meta = self.scheduler.build_inputs(out)  # on the CPU
+        # the slots (and, without the kernels' guard, the tables) are checked here, on the host, so the
+        # GPU forward needs no sync; the inputs then go to the GPU without one (pinned, non-blocking)
+        kv = self.kv_cache
+        meta.check_on_host(kv.num_blocks, kv.block_size, tables=not self._guarded)
+        graphs = self.graphs
+        if graphs is not None and not meta.num_prefills and graphs.size_for(meta.num_seqs) is not None:
+            logits = graphs.run(input_ids, positions, meta)  # (S, V): one replay of a captured decode
+        else:
+            if self.device.type != "cpu":
+                input_ids, positions = to_device(input_ids, self.device), to_device(positions, self.device)
+                meta = meta.to(self.device)
+            logits = self.model(input_ids, positions, kv, meta, backend=self.backend)  # (S, V)
         if self.device.type == "cuda":  # a bad page id seen by the kernels' in-kernel guard: fail the step
             check_kernel_errors(self.device)  # (one small device->host copy; the step is rolled back)
         samplers = out.samplers  # forked samples draw from their parent's row

@@ -49,6 +49,7 @@ def reshape_and_cache(
     slot_mapping: torch.Tensor,  # (num_tokens,) int32/int64, -1 = padding (skipped)
     *,
     validate: bool = True,
+    padding: bool = False,
 ) -> None:
     """Write each token's key/value into the cache slot `slot_mapping` gives it, in place.
 
@@ -57,6 +58,9 @@ def reshape_and_cache(
     error: two tokens cannot own one slot. validate=False skips the slot checks (a host copy and sync)
     for a caller that ran `check_slot_mapping(..., allow_padding=False)` on this same mapping, as the
     model does once per forward for all its layers; shapes, dtypes and devices are always checked.
+    padding=True (with validate=False): -1 rows may be present and are skipped without a sync or a
+    boolean mask (a CUDA graph's padding rows): each one rewrites row 0's key and value into row 0's
+    slot, the same bytes twice, so row 0 must be a real token.
     """
     check_cache_pair(key_cache, value_cache)
     num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
@@ -82,6 +86,13 @@ def reshape_and_cache(
         if has_padding:
             keep = slots >= 0
             slots, key, value = slots[keep], key[keep], value[keep]
+    elif padding:  # no sync: a padding row becomes a copy of row 0 (same slot, same bytes)
+        src = torch.where(slots >= 0, torch.arange(slots.shape[0], device=slots.device), 0)  # (T,)
+        slots, key, value = slots[src], key[src], value[src]
+    if key_cache.is_contiguous() and value_cache.is_contiguous():  # one index_put per pool, no div/mod
+        key_cache.view(-1, num_kv_heads, head_size)[slots] = key
+        value_cache.view(-1, num_kv_heads, head_size)[slots] = value
+        return
     # (block, offset) indexing works in place whatever the cache's strides are
     blocks, offsets = slots // block_size, slots % block_size
     key_cache[blocks, offsets] = key

@@ -8,28 +8,35 @@ from many sequences at once, `input_ids [num_tokens]` and `positions [num_tokens
 sequence reads (`block_tables`, `seq_lens`). Prefill sequences come first (each several new tokens,
 `paged_prefill_attention`), decode sequences after (one new token each, `paged_attention`), so a
 step that mixes both is still one forward. The forward returns the logits of each sequence's last
-token.
+token. (AttentionMetadata lives in vllmini.attention; `from vllmini.model import AttentionMetadata` works.)
 
 Weights load from a Hugging Face Llama checkpoint directory (config.json + safetensors, single file
-or sharded) or from an in-memory `transformers` model; nothing is downloaded.
+or sharded) or from an in-memory `transformers` model, through `vllmini.loader`; nothing is downloaded.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vllmini.attention import check_block_tables, guarded_by_default, paged_attention, paged_prefill_attention
+from vllmini.attention import (
+    AttentionMetadata,
+    check_block_tables,
+    guarded_by_default,
+    paged_attention,
+    paged_prefill_attention,
+    to_device,  # noqa: F401 (re-exported, as AttentionMetadata is)
+)
 from vllmini.checks import as_float, as_int, one_of
-from vllmini.errors import CheckpointError, CheckpointNotFoundError, InvalidArgumentError, InvalidTypeError
+from vllmini.errors import CheckpointError, InvalidArgumentError, InvalidTypeError
 from vllmini.kv_cache import check_slot_mapping, reshape_and_cache
+from vllmini.loader import as_dict, load_hf_state_dict, read_checkpoint, read_checkpoint_file, read_json
 
 ROPE_TYPES = ("default", "linear", "llama3")
 ROPE_KEYS = {  # what each rope type reads from its scaling dict
@@ -104,10 +111,10 @@ class LlamaConfig:
         `rope_scaling`, or newer `rope_parameters` (which holds rope_theta and rope_type together)."""
         one_of(d.get("model_type", "llama"), "model_type", ("llama",))
         one_of(d.get("hidden_act", "silu"), "hidden_act (SwiGLU)", ("silu",))
-        rope = dict(_as_dict(d.get("rope_parameters"), "rope_parameters"))
+        rope = dict(as_dict(d.get("rope_parameters"), "rope_parameters"))
         theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
         if not rope:  # the older style: the scaling dict sits on its own
-            rope = dict(_as_dict(d.get("rope_scaling"), "rope_scaling"))
+            rope = dict(as_dict(d.get("rope_scaling"), "rope_scaling"))
         one_of(rope.pop("partial_rotary_factor", 1.0), "partial_rotary_factor", (1.0,))
         names = {f for f in cls.__dataclass_fields__ if f not in ("rope_theta", "rope_scaling")}
         missing = [f.name for f in fields(cls) if f.default is MISSING and d.get(f.name) is None]
@@ -123,101 +130,7 @@ class LlamaConfig:
     def from_pretrained(cls, path: str | os.PathLike) -> LlamaConfig:
         """From the config.json in checkpoint directory `path`; a bad file is a CheckpointError naming it."""
         file = Path(path) / "config.json"
-        return _read_checkpoint_file(file, lambda f: cls.from_dict(_read_json(f)))
-
-
-def _as_dict(value, name: str) -> dict:
-    """`value` if it is a dict, {} for None."""
-    if value is not None and not isinstance(value, dict):
-        raise InvalidTypeError(f"{name} must be a JSON object (a dict), got {value!r}")
-    return value or {}
-
-
-def _read_json(file: Path) -> dict:
-    return _as_dict(json.loads(file.read_text()), file.name)
-
-
-def _read_checkpoint_file(file: Path, read):
-    """read(file), with a missing or damaged file reported as a CheckpointError that names it."""
-    if not file.is_file():
-        raise CheckpointNotFoundError(f"no {file.name} in {str(file.parent)!r}")
-    try:
-        return read(file)
-    except Exception as e:  # json, safetensors and tokenizers each raise their own kind; name the file
-        raise CheckpointError(f"bad checkpoint file {str(file)!r}: {e}") from e
-
-
-# -----------------------------------------------------------------------------
-# attention metadata: how the flat batch of tokens maps onto sequences and pages
-
-
-@dataclass
-class AttentionMetadata:
-    """Where this step's tokens go in the cache and what each sequence reads.
-
-    Sequences are ordered prefills first, then decodes (one new token each). Sequence i's new tokens
-    are input_ids[query_start_loc[i]:query_start_loc[i+1]], and they are its last ones: after this
-    step it holds seq_lens[i] tokens in the cache.
-    """
-
-    slot_mapping: torch.Tensor  # (num_tokens,) int64: cache slot of each new token
-    block_tables: torch.Tensor  # (num_seqs, max_num_blocks_per_seq) int32, padded with -1
-    seq_lens: torch.Tensor  # (num_seqs,) int32: tokens in the cache after this step
-    query_start_loc: torch.Tensor  # (num_seqs + 1,) int32: cumulative new tokens
-    num_prefills: int  # the first num_prefills sequences use the prefill path
-    num_prefill_tokens: int  # = query_start_loc[num_prefills]
-    last_token_indices: torch.Tensor = field(init=False)  # (num_seqs,) int64: each sequence's last token
-
-    def __post_init__(self):
-        self.last_token_indices = self.query_start_loc[1:].to(torch.int64) - 1
-
-    @property
-    def num_seqs(self) -> int:
-        return self.seq_lens.shape[0]
-
-    @property
-    def num_decodes(self) -> int:
-        return self.num_seqs - self.num_prefills
-
-    @classmethod
-    def build(
-        cls,
-        query_lens: list[int],
-        block_tables: torch.Tensor,
-        seq_lens: list[int],
-        slot_mapping: list[int],
-        num_prefills: int,
-        device=None,
-    ) -> AttentionMetadata:
-        """From host-side lists (one entry per sequence, prefills first); checks they agree."""
-        if not 0 <= num_prefills <= len(query_lens) or len(query_lens) != len(seq_lens):
-            raise InvalidArgumentError(
-                f"need 0 <= num_prefills ({num_prefills}) <= num_seqs and one query_len per "
-                f"seq_len, got {len(query_lens)} query_lens and {len(seq_lens)} seq_lens"
-            )
-        if any(q != 1 for q in query_lens[num_prefills:]):
-            raise InvalidArgumentError(
-                f"decode sequences take exactly one new token, got query_lens {query_lens[num_prefills:]}"
-            )
-        if any(not 1 <= q <= s for q, s in zip(query_lens, seq_lens, strict=True)):
-            raise InvalidArgumentError(
-                f"each query_len must be in [1, seq_len], got {query_lens} for {seq_lens}"
-            )
-        if sum(query_lens) != len(slot_mapping):
-            raise InvalidArgumentError(
-                f"slot_mapping has {len(slot_mapping)} slots for {sum(query_lens)} new tokens"
-            )
-        starts = [0]
-        for q in query_lens:
-            starts.append(starts[-1] + q)
-        return cls(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
-            block_tables=block_tables.to(device=device, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-            num_prefills=num_prefills,
-            num_prefill_tokens=starts[num_prefills],
-        )
+        return read_checkpoint_file(file, lambda f: cls.from_dict(read_json(f)))
 
 
 # -----------------------------------------------------------------------------
@@ -233,9 +146,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # F.rms_norm upcasts to float32 inside and rounds once: Llama's x.float() * rsqrt(...) .to(dtype),
+        # in one kernel instead of seven (a decode step launches two per layer)
+        return self.weight * F.rms_norm(x, (x.shape[-1],), None, self.eps)
 
 
 def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
@@ -288,9 +201,12 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)  # (T, nkv, hd)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # new tokens into their slots; the model checked slot_mapping and block_tables once this forward
-        reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, validate=False)
-        out = torch.empty_like(q)  # (T, nh, hd)
+        reshape_and_cache(
+            k, v, key_cache, value_cache, meta.slot_mapping, validate=False, padding=meta.has_padding
+        )
         P, n = meta.num_prefill_tokens, meta.num_prefills
+        # a decode-only batch takes the attention's output as is (no buffer, no copy: fewer launches)
+        out = torch.empty_like(q) if n else None  # (T, nh, hd)
         if n:  # only the torch backend has a prefill path
             out[:P] = paged_prefill_attention(
                 q[:P],
@@ -302,7 +218,7 @@ class Attention(nn.Module):
                 backend="torch" if backend in ("cupy", "emulator") else backend,
             )
         if meta.num_decodes:
-            out[P:] = paged_attention(
+            decoded = paged_attention(
                 q[P:],
                 key_cache,
                 value_cache,
@@ -311,8 +227,12 @@ class Attention(nn.Module):
                 backend=backend,
                 # the model checked the tables on the host this forward, or the kernel's guard checks them
                 validate="guard" if guarded_by_default(backend, q.device, q.dtype) else False,
-            )
-        return self.o_proj(out.view(T, self.num_heads * self.head_dim))
+            )  # (T - P, nh, hd)
+            if out is None:
+                out = decoded
+            else:
+                out[P:] = decoded
+        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -400,10 +320,10 @@ class LlamaModel(nn.Module):
                 f"meta.slot_mapping must be [num_tokens] = [{input_ids.shape[0]}], "
                 f"got {tuple(meta.slot_mapping.shape)}"
             )
-        check_slot_mapping(meta.slot_mapping, num_blocks * block_size, allow_padding=False)
-        if meta.num_decodes and not guarded_by_default(
-            backend, input_ids.device, kv_cache.key_caches[0].dtype
-        ):
+        guarded = guarded_by_default(backend, input_ids.device, kv_cache.key_caches[0].dtype)
+        if not meta.host_checked:
+            check_slot_mapping(meta.slot_mapping, num_blocks * block_size, allow_padding=False)
+        if meta.num_decodes and not guarded and not meta.host_checked:
             n = meta.num_prefills  # (with the guard: no sync here; the engine calls check_kernel_errors)
             check_block_tables(meta.block_tables[n:], meta.seq_lens[n:], num_blocks, block_size)
         x = self.embed_tokens(input_ids)  # (T, hidden)
@@ -448,88 +368,22 @@ class LlamaModel(nn.Module):
         """From a checkpoint directory (config.json + model.safetensors or a sharded
         model.safetensors.index.json; tokenizer.json and generation_config.json when present) or
         from an in-memory transformers LlamaForCausalLM (whose tensors are shared, not copied, when
-        dtype and device already match). dtype defaults to the stored weights'."""
+        dtype and device already match). dtype defaults to the stored weights'. (vllmini.loader)"""
         if dtype is not None and dtype not in DTYPES:
             raise InvalidTypeError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-        tokenizer, gen = None, {}
-        if isinstance(path_or_hf_model, (str, os.PathLike)):
-            root = Path(path_or_hf_model)
-            if not root.is_dir():
-                raise CheckpointNotFoundError(f"no checkpoint directory {str(root)!r}")
-            where = f"checkpoint {str(root)!r}"
-            config = LlamaConfig.from_pretrained(root)
-            state = _load_safetensors(root)
-            if (root / "tokenizer.json").is_file():
-                from tokenizers import Tokenizer
-
-                tokenizer = _read_checkpoint_file(
-                    root / "tokenizer.json", lambda f: Tokenizer.from_file(str(f))
-                )
-            if (root / "generation_config.json").is_file():
-                gen = _read_checkpoint_file(root / "generation_config.json", _read_json)
-        elif hasattr(path_or_hf_model, "state_dict") and hasattr(path_or_hf_model, "config"):
-            where = f"the {type(path_or_hf_model).__name__}"
-            config = LlamaConfig.from_dict(path_or_hf_model.config.to_dict())
-            state = path_or_hf_model.state_dict()
-            g = getattr(path_or_hf_model, "generation_config", None)
-            gen = {"eos_token_id": getattr(g, "eos_token_id", None)}
-            device = device if device is not None else next(path_or_hf_model.parameters()).device
-        else:
-            raise InvalidTypeError(
-                f"path_or_hf_model must be a directory path or a transformers model, "
-                f"got {type(path_or_hf_model).__name__}"
-            )
+        ckpt = read_checkpoint(path_or_hf_model, LlamaConfig.from_dict)
+        state, where = ckpt.state, ckpt.where
         if "model.embed_tokens.weight" not in state:
             raise CheckpointError(f"{where} has no model.embed_tokens.weight: not a Llama checkpoint")
         dtype = dtype if dtype is not None else state["model.embed_tokens.weight"].dtype
         if dtype not in DTYPES:
             raise CheckpointError(f"{where} stores {dtype} weights; pass dtype= one of {DTYPES} to convert")
         with torch.device("meta"):  # no memory, no random init: the weights come next
-            model = cls(config)
-        model._load_hf_state_dict(state, dtype, torch.device(device or "cpu"), where)
-        model.tokenizer = tokenizer
-        eos = gen.get("eos_token_id")
+            model = cls(ckpt.config)
+        device = device if device is not None else ckpt.device
+        load_hf_state_dict(model, state, dtype, torch.device(device or "cpu"), where)
+        model.tokenizer = ckpt.tokenizer
+        eos = ckpt.generation.get("eos_token_id")
         if eos is not None:
             model.eos_token_ids = tuple(eos if isinstance(eos, list) else [eos])
         return model.eval()
-
-    def _load_hf_state_dict(self, state: dict, dtype: torch.dtype, device: torch.device, where: str) -> None:
-        expected = {n: p.shape for n, p in self.named_parameters()}  # a tied lm_head appears once
-        tensors = {}
-        for key, t in state.items():
-            name = key.removeprefix("model.")
-            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and name not in expected):
-                continue  # recomputed here / tied to the embedding
-            if name not in expected:
-                raise CheckpointError(f"{where} has weight {key!r}, unexpected for a Llama model")
-            if tuple(t.shape) != tuple(expected[name]):
-                raise CheckpointError(
-                    f"{where}: weight {key!r} has shape {tuple(t.shape)}, expected {tuple(expected[name])}"
-                )
-            tensors[name] = t.to(device=device, dtype=dtype)
-        missing = sorted(set(expected) - set(tensors))
-        if missing:
-            raise CheckpointError(f"{where} lacks weights {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-        self.load_state_dict(tensors, strict=False, assign=True)
-        if self.config.tie_word_embeddings:  # assign=True replaced the parameter: tie again
-            self.lm_head.weight = self.embed_tokens.weight
-
-
-def _load_safetensors(root: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a single-file or sharded safetensors checkpoint, on the CPU."""
-    from safetensors.torch import load_file
-
-    if (root / "model.safetensors").is_file():
-        return _read_checkpoint_file(root / "model.safetensors", load_file)
-    index = root / "model.safetensors.index.json"
-    if not index.is_file():
-        raise CheckpointNotFoundError(
-            f"{str(root)!r} has neither model.safetensors nor model.safetensors.index.json"
-        )
-    weight_map = _read_checkpoint_file(index, _read_json).get("weight_map")
-    if not isinstance(weight_map, dict):
-        raise CheckpointError(f"{str(index)!r} has no weight_map object (tensor name -> shard file)")
-    state = {}
-    for shard in sorted(set(weight_map.values())):
-        state.update(_read_checkpoint_file(root / shard, load_file))
-    return state

@@ -43,10 +43,10 @@ from itertools import islice
 
 import torch
 
+from vllmini.attention import AttentionMetadata
 from vllmini.block_table import BlockManager
 from vllmini.checks import as_float, as_int, cdiv, one_of
 from vllmini.errors import EngineStateError, InvalidArgumentError, InvalidTypeError
-from vllmini.model import AttentionMetadata
 from vllmini.sequence import SchedulerOutput, Sequence, SequenceStatus
 
 __all__ = ["POLICIES", "Scheduler", "SchedulerOutput", "Sequence", "SequenceStatus", "check_policy"]
