@@ -14,6 +14,7 @@ import torch
 from vllmini.engine import LLMEngine, SamplingParams
 from vllmini.errors import EngineStateError, InvalidArgumentError
 from vllmini.model import LlamaModel
+from vllmini.model_runner import prepare_inputs
 from vllmini.scheduler import Scheduler, Sequence
 
 transformers = pytest.importorskip("transformers")
@@ -251,7 +252,7 @@ def test_arrivals_that_must_wait_are_no_error(model, prompts):
 
 def test_budget_below_max_model_len_needs_chunking(model, hf):
     with pytest.raises(InvalidArgumentError, match="enable_chunked_prefill=True"):
-        LLMEngine(model, num_blocks=8, max_num_batched_tokens=16)
+        LLMEngine(model, num_blocks=8, max_num_batched_tokens=16, enable_chunked_prefill=False)
     engine = LLMEngine.from_pretrained(
         hf, dtype=torch.float32, num_blocks=8, max_num_batched_tokens=16, enable_chunked_prefill=True
     )
@@ -281,7 +282,7 @@ def test_scheduler_chunks_never_lose_a_token_or_exceed_the_budget(seed):
         assert (
             len(out.slot_mapping) == len(set(out.slot_mapping)) == out.num_prefill_tokens + len(out.decodes)
         )
-        sched.build_inputs(out)
+        prepare_inputs(out, sched.block_manager)
         for seq in out.preempted:
             computed[seq.seq_id] = 0
         for seq in out.prefills:

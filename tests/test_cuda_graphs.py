@@ -160,7 +160,7 @@ def test_graphs_are_the_default_on_cuda_and_replay_without_a_sync():
     engine.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=4, ignore_eos=True))
     engine.step()  # the prefill (eager)
     out = engine.scheduler.schedule()
-    ids, pos, meta = engine.scheduler.build_inputs(out)
+    ids, pos, meta = engine.runner.prepare_inputs(out, engine.scheduler.block_manager)
     meta.check_on_host(engine.kv_cache.num_blocks, engine.kv_cache.block_size, tables=False)
     torch.cuda.synchronize()
     with sync_is_an_error():
@@ -178,20 +178,20 @@ def test_a_bad_block_id_is_caught_under_graphs(monkeypatch):
     kw = dict(block_size=4, num_blocks=32, max_num_seqs=4, use_cuda_graphs=True)
     clean = LLMEngine(model, **kw).generate([[5, 6, 7, 8, 9]], params, use_tqdm=False)
     engine = LLMEngine(model, **kw)
-    if not engine._guarded:
+    if not engine.runner.guarded:
         pytest.skip("the decode backend has no in-kernel guard (no CuPy): the host check catches it")
     rid = engine.add_request([5, 6, 7, 8, 9], params)
     engine.step()  # the prefill
-    build = engine.scheduler.build_inputs
+    build = engine.runner.prepare_inputs
     replays = []
     run = engine.graphs.run
 
-    def corrupt(out, device=None):
-        input_ids, positions, meta = build(out, device=device)
+    def corrupt(out, block_manager):
+        input_ids, positions, meta = build(out, block_manager)
         meta.block_tables[0, 0] = 10**6  # a page far outside the pool
         return input_ids, positions, meta
 
-    monkeypatch.setattr(engine.scheduler, "build_inputs", corrupt)
+    monkeypatch.setattr(engine.runner, "prepare_inputs", corrupt)
     monkeypatch.setattr(engine.graphs, "run", lambda *a: replays.append(1) or run(*a))
     with pytest.raises(InvalidBlockTableError, match=r"block_tables\[0, 0\] = 1000000"):
         engine.step()

@@ -427,7 +427,7 @@ def test_engine_config_from_keywords_config_or_both(model):
         (dict(max_num_seqs=0), InvalidArgumentError, "max_num_seqs"),
         (dict(seed="0"), InvalidTypeError, "seed"),
         (
-            dict(max_model_len=64, max_num_batched_tokens=32),
+            dict(max_model_len=64, max_num_batched_tokens=32, enable_chunked_prefill=False),
             InvalidArgumentError,
             "max_num_batched_tokens=32",
         ),
@@ -464,7 +464,9 @@ def test_engine_config_checks_against_the_model(model):
     with pytest.raises(
         InvalidArgumentError, match="max_num_batched_tokens=100 is smaller than max_model_len=128"
     ):
-        LLMEngine(model, num_blocks=8, max_num_batched_tokens=100)  # max_model_len: the model's 128
+        LLMEngine(
+            model, num_blocks=8, max_num_batched_tokens=100, enable_chunked_prefill=False
+        )  # max_model_len 128
     with pytest.raises(InvalidTypeError, match="config must be an EngineConfig"):
         LLMEngine(model, {"block_size": 4})
     with pytest.raises(InvalidTypeError, match="unknown engine option"):  # before loading any weights
@@ -843,14 +845,14 @@ def test_a_bad_block_id_seen_by_the_kernel_guard_fails_the_step_and_rolls_it_bac
     engine = LLMEngine(model, block_size=4, num_blocks=32)
     rid = engine.add_request([5, 6, 7, 8, 9], params)
     engine.step()  # the prefill
-    build = engine.scheduler.build_inputs
+    build = engine.runner.prepare_inputs
 
-    def corrupt(out, device=None):
-        input_ids, positions, meta = build(out, device=device)
+    def corrupt(out, block_manager):
+        input_ids, positions, meta = build(out, block_manager)
         meta.block_tables[0, 0] = 10**6  # a page far outside the pool
         return input_ids, positions, meta
 
-    monkeypatch.setattr(engine.scheduler, "build_inputs", corrupt)
+    monkeypatch.setattr(engine.runner, "prepare_inputs", corrupt)
     with pytest.raises(InvalidBlockTableError, match=r"block_tables\[0, 0\] = 1000000"):
         engine.step()
     monkeypatch.undo()

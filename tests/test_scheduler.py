@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from vllmini.errors import EngineStateError, InvalidArgumentError, InvalidTypeError
+from vllmini.model_runner import prepare_inputs
 from vllmini.scheduler import Scheduler, Sequence, SequenceStatus
 
 # -----------------------------------------------------------------------------
@@ -49,7 +50,7 @@ def test_scheduler_never_loses_or_duplicates(num_blocks, block_size, policy, req
         assert all(s.status is SequenceStatus.RUNNING for s in out.seqs)
         assert {s.seq_id for s in sched.running} == set(batch)
         assert not {s.seq_id for s in sched.waiting} & set(batch)
-        input_ids, positions, meta = sched.build_inputs(out)
+        input_ids, positions, meta = prepare_inputs(out, sched.block_manager)
         assert input_ids.shape == positions.shape == (len(out.slot_mapping),)
         for seq in out.seqs:
             seq.output_token_ids.append(rng.randrange(100))

@@ -511,11 +511,17 @@ def test_sharing_options_are_checked(model, hf):
     assert loaded.config.enable_prefix_caching and loaded.scheduler.block_manager.prefix_cache is not None
 
 
+@pytest.mark.parametrize("chunked", [False, True])
 @pytest.mark.parametrize("policy", ["static", "oracle"])
-def test_static_policies_run_n_samples_without_sharing(model, policy):
+def test_static_policies_run_n_samples_without_sharing(model, policy, chunked):
+    """Each sample reserves and computes its own prompt (with chunked prefill too: a sample that shares
+    no block must not wait for, or sample from, the first one's prefill)."""
     params = SamplingParams(max_tokens=5, temperature=1.0, seed=3, n=2, ignore_eos=True)
-    paged = LLMEngine(model, block_size=BS, num_blocks=32).generate([SYSTEM[:6]], params, use_tqdm=False)
-    engine = LLMEngine(model, block_size=BS, num_blocks=32, max_model_len=16, policy=policy)
+    paged = LLMEngine(model, block_size=BS, num_blocks=32, enable_chunked_prefill=False).generate(
+        [SYSTEM[:6]], params, use_tqdm=False
+    )
+    kw = dict(max_model_len=16, policy=policy, enable_chunked_prefill=chunked)
+    engine = LLMEngine(model, block_size=BS, num_blocks=32, **kw)
     out = engine.generate([SYSTEM[:6]], params, use_tqdm=False)
     assert [c.token_ids for c in out[0].outputs] == [c.token_ids for c in paged[0].outputs]
     assert engine.stats[0].shared_blocks == 0 and engine.stats[0].num_prefills == 2

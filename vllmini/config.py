@@ -54,7 +54,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     seed: int = 0
     enable_prefix_caching: bool = False
-    enable_chunked_prefill: bool = False
+    enable_chunked_prefill: bool = True
     use_cuda_graphs: bool | None = None
     max_cuda_graph_batch_size: int = 256
 

@@ -47,13 +47,12 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from vllmini.attention import check_kernel_errors, guarded_by_default, to_device
-from vllmini.checks import as_int, cdiv
+from vllmini.checks import as_int
 from vllmini.config import EngineConfig, make_config
 from vllmini.errors import EngineStateError, InvalidArgumentError, InvalidTypeError
 from vllmini.interrupts import DeferSigint
-from vllmini.kv_cache import PagedKVCache
 from vllmini.model import LlamaModel
+from vllmini.model_runner import ModelRunner
 from vllmini.outputs import CompletionOutput, Logprob, RequestOutput, StepStats, sharing_summary
 from vllmini.processing import InputProcessor, OutputProcessor
 from vllmini.sampling import SamplingParams, sample, sample_batch, sample_seed, token_logprobs
@@ -87,7 +86,9 @@ class LLMEngine:
         self.config = replace(config, max_model_len=max_model_len, max_num_batched_tokens=batched)
         self.model, self.policy, self.max_model_len = model, config.policy, max_model_len
         self.device, self.seed = model.device, config.seed
-        self.kv_cache = self._make_kv_cache()
+        self.runner = ModelRunner(model, self.config)  # the KV cache, the attention backend, the graphs
+        runner = self.runner
+        self.kv_cache, self.backend, self.graphs = runner.kv_cache, runner.backend, runner.graphs
         self.scheduler = Scheduler(
             self.kv_cache.num_blocks,
             config.block_size,
@@ -98,12 +99,6 @@ class LLMEngine:
             max_num_batched_tokens=batched,
             enable_prefix_caching=config.enable_prefix_caching,
             enable_chunked_prefill=config.enable_chunked_prefill,
-        )
-        self.backend = self._resolve_backend(config.backend)  # "torch", "cupy" or "emulator"
-        self.graphs = self._capture_graphs(config.use_cuda_graphs)  # a DecodeGraphs, or None: eager
-        # the decode kernels check page ids on the GPU: the engine checks only the slots on the host
-        self._guarded = self.device.type == "cuda" and guarded_by_default(
-            self.backend, self.device, model.dtype
         )
         self.tokenizer = model.tokenizer
         self.inputs = InputProcessor(self.tokenizer, model.config.vocab_size)
@@ -135,78 +130,6 @@ class LLMEngine:
         """Load a Llama checkpoint directory (or transformers model) and build an engine on it."""
         config = make_config(config, engine_kwargs)  # bad options fail before the weights load
         return cls(LlamaModel.from_pretrained(path_or_model, dtype=dtype, device=device), config)
-
-    def _make_kv_cache(self) -> PagedKVCache:
-        c, cfg = self.config, self.model.config
-        num_blocks, memory, util = c.num_blocks, c.kv_cache_memory, c.gpu_memory_utilization
-        if num_blocks is None and memory is None and util is None:
-            if self.device.type == "cuda":
-                util = 0.9
-            else:  # CPU: room for 8 sequences of max_model_len, at most 1 GiB
-                per_block = PagedKVCache.bytes_per_block(
-                    cfg.num_hidden_layers,
-                    cfg.num_key_value_heads,
-                    cfg.head_dim,
-                    c.block_size,
-                    self.model.dtype,
-                )
-                num_blocks = max(1, min(8 * cdiv(self.max_model_len, c.block_size), 2**30 // per_block))
-        return PagedKVCache(
-            cfg.num_hidden_layers,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-            c.block_size,
-            num_blocks=num_blocks,
-            memory_bytes=memory,
-            gpu_memory_utilization=util,
-            dtype=self.model.dtype,
-            device=self.device,
-        )
-
-    def _resolve_backend(self, backend: str) -> str:
-        """The decode backend to use. An explicit one that cannot run this dtype/device fails now, not at
-        the first decode; "auto" falls back to "torch" when the CUDA kernel cannot run this model."""
-        from vllmini.attention import paged_attention, resolve_backend
-
-        concrete = resolve_backend(backend, self.device) if backend == "auto" else backend
-        if concrete == "torch":
-            return "torch"
-        c = self.model.config
-        kc = self.kv_cache.key_caches[0][:1]  # (1, block_size, nkv, hd): a one-block probe
-        q = torch.zeros(1, c.num_attention_heads, c.head_dim, dtype=self.model.dtype, device=self.device)
-        one = torch.ones(1, 1, dtype=torch.int32, device=self.device)
-        try:
-            paged_attention(q, kc, kc, one - 1, one[0], backend=concrete)
-        except Exception as e:
-            if backend == "auto":
-                return "torch"
-            raise InvalidArgumentError(
-                f"backend {backend!r} cannot run this model ({self.model.dtype} on {self.device}): {e}"
-            ) from e
-        return concrete
-
-    def _capture_graphs(self, wanted: bool | None):
-        """Capture the decode CUDA graphs (vllmini.cuda_graphs) before any request runs, or None.
-        wanted None: on for a CUDA model whose backend a graph can hold ("cupy", "torch")."""
-        cuda = self.device.type == "cuda"
-        if wanted is None:
-            wanted = cuda and self.backend in ("cupy", "torch")
-        if not wanted:
-            return None
-        if not cuda or self.backend not in ("cupy", "torch"):
-            raise InvalidArgumentError(
-                f"use_cuda_graphs=True needs a CUDA model and backend 'cupy' or 'torch', got device "
-                f"{self.device} and backend {self.backend!r}"
-            )
-        from vllmini.cuda_graphs import DecodeGraphs
-
-        c = self.config
-        size = min(c.max_cuda_graph_batch_size, c.max_num_seqs)
-        graphs = DecodeGraphs(
-            self.model, self.kv_cache, self.backend, size, cdiv(c.max_model_len, c.block_size)
-        )
-        graphs.capture()
-        return graphs
 
     # -------------------------------------------------------------------------
     # requests
@@ -303,11 +226,10 @@ class LLMEngine:
             f"no progress: {self.scheduler.stall_message()}; abort_request({head}) removes it"
         )
 
-    @torch.inference_mode()
     def _copy_on_write(self) -> int:
         """Make this step's copy-on-write copies (all blocks in one indexed copy per cache tensor)."""
         pairs = self.scheduler.block_manager.take_pending_copies()
-        self.kv_cache.copy_blocks(pairs)
+        self.runner.copy_blocks(pairs)
         return len(pairs)
 
     @torch.inference_mode()
@@ -315,21 +237,7 @@ class LLMEngine:
         """The batch's forward, then one token per sequence that completes its tokens (or the exception
         its sampling raised), and the logprobs of those that ask for them (else None). Appends
         (sequence, generator state) to `saved` before a generator is used."""
-        input_ids, positions, meta = self.scheduler.build_inputs(out)  # on the CPU
-        # the slots (and, without the kernels' guard, the tables) are checked here, on the host, so the
-        # GPU forward needs no sync; the inputs then go to the GPU without one (pinned, non-blocking)
-        kv = self.kv_cache
-        meta.check_on_host(kv.num_blocks, kv.block_size, tables=not self._guarded)
-        graphs = self.graphs
-        if graphs is not None and not meta.num_prefills and graphs.size_for(meta.num_seqs) is not None:
-            logits = graphs.run(input_ids, positions, meta)  # (S, V): one replay of a captured decode
-        else:
-            if self.device.type != "cpu":
-                input_ids, positions = to_device(input_ids, self.device), to_device(positions, self.device)
-                meta = meta.to(self.device)
-            logits = self.model(input_ids, positions, kv, meta, backend=self.backend)  # (S, V)
-        if self.device.type == "cuda":  # a bad page id seen by the kernels' in-kernel guard: fail the step
-            check_kernel_errors(self.device)  # (one small device->host copy; the step is rolled back)
+        logits = self.runner.execute(out, self.scheduler.block_manager)  # (S, V)
         samplers = out.samplers  # forked samples draw from their parent's row
         if not samplers:  # only chunks of prompts ran
             return [], []

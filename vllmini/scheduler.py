@@ -41,9 +41,6 @@ from __future__ import annotations
 from collections import deque
 from itertools import islice
 
-import torch
-
-from vllmini.attention import AttentionMetadata
 from vllmini.block_table import BlockManager
 from vllmini.checks import as_float, as_int, cdiv, one_of
 from vllmini.errors import EngineStateError, InvalidArgumentError, InvalidTypeError
@@ -316,6 +313,9 @@ class Scheduler:
             out.num_lookup_blocks += cdiv(first.num_tokens, bs)
             out.num_hit_blocks += len(hits)
         blocks = bm.block_table(first.seq_id).block_ids
+        # a sample that shares some of the first one's blocks waits for them (chunked prefill); one that
+        # shares none (static policies reserve their own) computes its prompt alone
+        parents = {id(seq): first for seq, k in zip(group[1:], shares, strict=True) if k != 0}
         for seq, k in zip(group[1:], shares, strict=True):
             if k is None:  # same tokens: share every block, sample from the first one's logits
                 bm.fork(first.seq_id, seq.seq_id)
@@ -328,7 +328,7 @@ class Scheduler:
         for seq in group:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
-            seq.prefill_target, seq.prefill_parent = seq.num_tokens, first if seq is not first else None
+            seq.prefill_target, seq.prefill_parent = seq.num_tokens, parents.get(id(seq))
             self.running.append(seq)
 
     def schedule(self) -> SchedulerOutput:
@@ -444,35 +444,6 @@ class Scheduler:
         bs = self.block_size
         if self.block_manager.prefix_cache is not None and end // bs > start // bs:  # a block filled
             self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.block_hashes, start, end)
-
-    def build_inputs(
-        self, out: SchedulerOutput, device=None
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """input_ids (num_tokens,), positions (num_tokens,) and the AttentionMetadata of a batch."""
-        ids, pos, query_lens, seq_lens = [], [], [], []
-        for seq in out.prefills:  # tokens [num_computed_tokens, end): may start mid-sequence
-            start, end = seq.num_computed_tokens, out.prefill_end(seq)
-            ids += seq.token_ids[start:end]
-            pos += range(start, end)
-            query_lens.append(end - start)
-            seq_lens.append(end)
-        for seq in out.decodes:
-            ids.append(seq.token_ids[-1])
-            pos.append(seq.num_tokens - 1)
-            query_lens.append(1)
-            seq_lens.append(seq.num_tokens)
-        seqs = out.seqs
-        block_tables, _ = self.block_manager.build_block_tables([s.seq_id for s in seqs])
-        # static reservations hold more blocks than the tokens fill: read only the blocks in use
-        block_tables = block_tables[:, : cdiv(max(seq_lens, default=1), self.block_size)]
-        meta = AttentionMetadata.build(
-            query_lens, block_tables, seq_lens, out.slot_mapping, len(out.prefills), device=device
-        )
-        return (
-            torch.tensor(ids, dtype=torch.int64, device=device),
-            torch.tensor(pos, dtype=torch.int64, device=device),
-            meta,
-        )
 
     def usage(self) -> dict:
         """KV memory right now: slots holding real tokens vs allocated (reserved) vs in the pool, and
