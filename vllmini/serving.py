@@ -96,6 +96,8 @@ class StepCost:
 # Fitted by StepCost.fit to the nine mean step times in benchmarks/recorded/engine_step_times.json (one
 # NVIDIA H200, a 0.85B-parameter random Llama in bfloat16, the engine benchmark's KV budget, 2026-11-30);
 # tests/test_serving.py refits them from that file. A step is mostly fixed cost (Python and launches).
+# Those steps ran eagerly; with the CUDA graphs the engine now uses on a GPU, the same fit gives about
+# 2.2 ms + 0.145 ms per token (benchmarks/RESULTS.md): this clock models the eager engine.
 H200_STEP_COST = StepCost(fixed=1.259e-2, per_token=7.737e-5, per_kv_token=0.0)
 
 
