@@ -330,23 +330,7 @@ def paged_attention_kernel(
     Without it the kernel trusts the tables. `num_splits` forces version 5's context split (tests).
     `source` (cupy only) launches another text with the same arguments, for benchmarks of variants."""
     v = version if isinstance(version, KernelVersion) else resolve_kernel_version(version, query.dtype)
-    if _validated:  # vllmini.paged_attention checked dtypes, shapes, devices and layout already
-        if v.number > 1 and query.shape[2] > MAX_HEAD_SIZE:
-            raise InvalidArgumentError(
-                f"kernel version {v.number} supports head_size <= {MAX_HEAD_SIZE}, got {query.shape[2]}"
-            )
-    else:
-        tensors = (query, key_cache, value_cache, block_tables, seq_lens, out)
-        names = ("query", "key_cache", "value_cache", "block_tables", "seq_lens", "out")
-        _check_launch_inputs(runtime, tensors, names, query, key_cache, v)
-    if out.dtype != query.dtype or out.shape != query.shape:
-        raise InvalidArgumentError(
-            f"out must be {query.dtype} {tuple(query.shape)}, got {out.dtype} {tuple(out.shape)}"
-        )
-    if error is not None and not v.guard:
-        raise InvalidArgumentError(
-            f"kernel version {v.number} ({v.name}) has no in-kernel guard; pass error=None"
-        )
+    _check_call(v, runtime, (query, key_cache, value_cache, block_tables, seq_lens, out), error, _validated)
     num_seqs, num_heads, head_size = query.shape
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape
     max_num_blocks_per_seq = block_tables.shape[1]
@@ -366,30 +350,11 @@ def paged_attention_kernel(
     query, key_cache, value_cache = (
         t if t.data_ptr() % 16 == 0 else t.clone() for t in (query, key_cache, value_cache)
     )
-    raw = [t if t.dtype == torch.float32 else t.view(torch.uint16) for t in (query, key_cache, value_cache)]
-    ints = (block_size, num_heads, head_size, num_kv_heads, max_num_blocks_per_seq)
-    if v.number < 5:  # (out float32, q, k, v, tables, lens, sizes..., scale); out cast after
-        out_raw = (
-            out
-            if out.dtype == torch.float32
-            else torch.empty(out.shape, dtype=torch.float32, device=out.device)
-        )
-        args = (out_raw, *raw, block_tables, seq_lens, *map(np.int32, ints), np.float32(scale))
-        options = ()
-    else:  # (out, split partials, q, k, v, tables, lens, guard record, sizes..., scale)
-        out_raw = out if out.dtype == torch.float32 else out.view(torch.uint16)
-        part_out = part_ml = None
-        if plan.num_splits > 1:
-            part_out = torch.empty(
-                num_seqs, num_heads, plan.num_splits, head_size, dtype=torch.float32, device=out.device
-            )
-            part_ml = torch.empty(
-                num_seqs, num_heads, plan.num_splits, 2, dtype=torch.float32, device=out.device
-            )
-        sizes = (num_blocks, *ints, plan.heads_per_block, plan.pages_per_split)
-        args = (out_raw, part_out, part_ml, *raw, block_tables, seq_lens, error, *map(np.int32, sizes),
-                np.float32(scale))  # fmt: skip
-        options = plan.options if runtime == "cupy" else ()  # the emulator builds every copy once
+    args, out_raw, (part_out, part_ml) = _kernel_args(
+        v, plan, (query, key_cache, value_cache, block_tables, seq_lens), out, error, scale
+    )
+    # version 5's compile options pick its copy of the kernel; the emulator builds every copy once
+    options = plan.options if v.number >= 5 and runtime == "cupy" else ()
 
     def launch(function: str, grid, block, launch_args, shared_mem: int) -> None:
         _launch(
@@ -405,6 +370,58 @@ def paged_attention_kernel(
         merge = f"{v.file}_merge{DTYPE_SUFFIX[query.dtype]}"
         launch(merge, (num_seqs, num_heads, 1), (MERGE_THREADS, 1, 1), merge_args, 0)
     return out
+
+
+def _check_call(v: KernelVersion, runtime: str, tensors: tuple, error, _validated: bool) -> None:
+    """What paged_attention_kernel needs of its inputs (after vllmini.paged_attention's checks, only
+    what they do not cover)."""
+    query, key_cache, out = tensors[0], tensors[1], tensors[5]
+    if _validated:  # vllmini.paged_attention checked dtypes, shapes, devices and layout already
+        if v.number > 1 and query.shape[2] > MAX_HEAD_SIZE:
+            raise InvalidArgumentError(
+                f"kernel version {v.number} supports head_size <= {MAX_HEAD_SIZE}, got {query.shape[2]}"
+            )
+    else:
+        names = ("query", "key_cache", "value_cache", "block_tables", "seq_lens", "out")
+        _check_launch_inputs(runtime, tensors, names, query, key_cache, v)
+    if out.dtype != query.dtype or out.shape != query.shape:
+        raise InvalidArgumentError(
+            f"out must be {query.dtype} {tuple(query.shape)}, got {out.dtype} {tuple(out.shape)}"
+        )
+    if error is not None and not v.guard:
+        raise InvalidArgumentError(
+            f"kernel version {v.number} ({v.name}) has no in-kernel guard; pass error=None"
+        )
+
+
+def _kernel_args(v: KernelVersion, plan, inputs: tuple, out: torch.Tensor, error, scale: float):
+    """The launch arguments of version `v` (in its .cu signature's order), the buffer the kernel writes,
+    and version 5's split partials (None, None without a split)."""
+    query, key_cache, value_cache, block_tables, seq_lens = inputs
+    num_seqs, num_heads, head_size = query.shape
+    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+    raw = [t if t.dtype == torch.float32 else t.view(torch.uint16) for t in (query, key_cache, value_cache)]
+    ints = (block_size, num_heads, head_size, num_kv_heads, block_tables.shape[1])
+    if v.number < 5:  # (out float32, q, k, v, tables, lens, sizes..., scale); out cast after
+        out_raw = (
+            out
+            if out.dtype == torch.float32
+            else torch.empty(out.shape, dtype=torch.float32, device=out.device)
+        )
+        args = (out_raw, *raw, block_tables, seq_lens, *map(np.int32, ints), np.float32(scale))
+        return args, out_raw, (None, None)
+    # (out, split partials, q, k, v, tables, lens, guard record, sizes..., scale)
+    out_raw = out if out.dtype == torch.float32 else out.view(torch.uint16)
+    part_out = part_ml = None
+    if plan.num_splits > 1:
+        part_out = torch.empty(
+            num_seqs, num_heads, plan.num_splits, head_size, dtype=torch.float32, device=out.device
+        )
+        part_ml = torch.empty(num_seqs, num_heads, plan.num_splits, 2, dtype=torch.float32, device=out.device)
+    sizes = (num_blocks, *ints, plan.heads_per_block, plan.pages_per_split)
+    args = (out_raw, part_out, part_ml, *raw, block_tables, seq_lens, error, *map(np.int32, sizes),
+            np.float32(scale))  # fmt: skip
+    return args, out_raw, (part_out, part_ml)
 
 
 def _launch(file, function, runtime, device, grid, block, args, shared_mem, source, options) -> None:
