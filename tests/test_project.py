@@ -65,6 +65,19 @@ def test_every_public_name_resolves():
         assert getattr(vllmini, name) is not None
 
 
+def test_the_readme_package_example_runs():
+    """The README's first Python example (the package without a checkpoint) runs and its comments hold."""
+    import torch
+
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+    assert blocks, "README.md has no python example"
+    scope: dict = {}
+    exec(compile(blocks[0], "README.md", "exec"), scope)  # noqa: S102 (our own README)
+    assert scope["block_tables"].dtype == torch.int32 and tuple(scope["block_tables"].shape) == (2, 3)
+    assert scope["seq_lens"].tolist() == [40, 7]
+    assert tuple(scope["out"].shape) == (2, 8, 64) and torch.isfinite(scope["out"]).all()
+
+
 @pytest.mark.slow
 def test_wheel_ships_the_kernels(tmp_path):
     """A regular (non-editable) install must find kernels/*.cu: the wheel carries them as package data."""
