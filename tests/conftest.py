@@ -1,4 +1,5 @@
-"""Shared test set-up: hypothesis profiles and the GPU marker."""
+"""Shared test set-up: hypothesis profiles, the GPU marker, and the engine tests' model (`hf`, its float64
+copy `hf64`, and `model`: vllmini's float32 copy), built once per test module."""
 
 import os
 
@@ -32,3 +33,27 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def hf():
+    pytest.importorskip("transformers")
+    from llama_cases import engine_hf_model
+
+    return engine_hf_model()
+
+
+@pytest.fixture(scope="module")
+def hf64(hf):
+    from llama_cases import float64_copy
+
+    return float64_copy(hf)
+
+
+@pytest.fixture(scope="module")
+def model(hf):
+    import torch
+
+    from vllmini.model import LlamaModel
+
+    return LlamaModel.from_pretrained(hf, dtype=torch.float32)

@@ -1,4 +1,5 @@
-"""The tiny random-weight transformers Llama that test_model.py and test_engine.py check vllmini against.
+"""The tiny random-weight transformers Llama that the model and engine tests check vllmini against, and
+the float64 greedy reference with its top-2-gap rule.
 
 GQA (4 query heads, 2 KV heads), tied embeddings and Llama-3 rope scaling, small enough for a 2-core CI.
 """
@@ -52,3 +53,32 @@ def float64_copy(hf: transformers.LlamaForCausalLM) -> transformers.LlamaForCaus
     m = transformers.LlamaForCausalLM(hf.config).eval()
     m.load_state_dict(hf.state_dict())
     return m.double()
+
+
+TIE = 1e-4  # a top-2 logit gap below this is a genuine tie: float32 may pick either token
+
+
+def greedy_reference(hf64: transformers.LlamaForCausalLM, prompt, max_tokens: int) -> tuple[list, list]:
+    """transformers' greedy tokens (float64, the whole sequence recomputed each step) and the gap between
+    the two largest logits at each step."""
+    ids, tokens, gaps = list(prompt), [], []
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            logits = hf64(torch.tensor([ids])).logits[0, -1]
+            top2 = logits.topk(2).values
+            tokens.append(int(logits.argmax()))
+            gaps.append(float(top2[0] - top2[1]))
+            ids.append(tokens[-1])
+    return tokens, gaps
+
+
+def assert_greedy(got: list, ref: tuple) -> bool:
+    """Same tokens as the reference (its first len(got)), except after a genuine near-tie (top-2 gap
+    below TIE), where anything may follow. True if all of them agree."""
+    tokens, gaps = ref
+    tokens, gaps = tokens[: len(got)], gaps[: len(got)]
+    assert len(got) == len(tokens), (got, tokens)
+    diff = next((t for t in range(len(tokens)) if got[t] != tokens[t]), None)
+    if diff is not None:
+        assert gaps[diff] < TIE, f"token {diff} differs: {got} vs {tokens} (top-2 gap {gaps[diff]:.2e})"
+    return diff is None

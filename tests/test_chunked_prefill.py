@@ -13,32 +13,15 @@ import torch
 
 from vllmini.engine import LLMEngine, SamplingParams
 from vllmini.errors import EngineStateError, InvalidArgumentError
-from vllmini.model import LlamaModel
 from vllmini.model_runner import prepare_inputs
 from vllmini.scheduler import Scheduler, Sequence
 
 transformers = pytest.importorskip("transformers")
-from llama_cases import engine_hf_model, float64_copy  # noqa: E402 (needs transformers)
+from llama_cases import TIE, assert_greedy, greedy_reference  # noqa: E402 (needs transformers)
 
-TIE = 1e-4
 MAX_TOKENS = 10
 PROMPT_LENS = (1, 3, 4, 5, 8, 9, 16, 17, 30)
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def hf():
-    return engine_hf_model()
-
-
-@pytest.fixture(scope="module")
-def hf64(hf):
-    return float64_copy(hf)
-
-
-@pytest.fixture(scope="module")
-def model(hf):
-    return LlamaModel.from_pretrained(hf, dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -47,34 +30,14 @@ def prompts():
     return [torch.randint(3, 128, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-def greedy_reference(hf64, prompt, max_tokens=MAX_TOKENS):
-    """transformers' greedy tokens (float64, recomputed from scratch each step) and top-2 gaps."""
-    ids, tokens, gaps = list(prompt), [], []
-    with torch.no_grad():
-        for _ in range(max_tokens):
-            logits = hf64(torch.tensor([ids])).logits[0, -1]
-            top2 = logits.topk(2).values
-            tokens.append(int(logits.argmax()))
-            gaps.append(float(top2[0] - top2[1]))
-            ids.append(tokens[-1])
-    return tokens, gaps
-
-
 @pytest.fixture(scope="module")
 def reference(hf64, prompts):
-    return [greedy_reference(hf64, p) for p in prompts]
+    return [greedy_reference(hf64, p, MAX_TOKENS) for p in prompts]
 
 
 def assert_same_greedy(token_lists, reference):
     """Same tokens, except after a genuine tie in transformers' logits."""
-    full = 0
-    for got, (tokens, gaps) in zip(token_lists, reference, strict=True):
-        assert len(got) == len(tokens), (got, tokens)
-        diff = next((t for t in range(len(tokens)) if got[t] != tokens[t]), None)
-        if diff is None:
-            full += 1
-        else:
-            assert gaps[diff] < TIE, f"token {diff} differs: {got} vs {tokens} (top-2 gap {gaps[diff]:.2e})"
+    full = sum(assert_greedy(got, ref) for got, ref in zip(token_lists, reference, strict=True))
     assert full >= len(reference) - 1
 
 

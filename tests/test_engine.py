@@ -17,21 +17,10 @@ from vllmini.errors import EngineStateError, InvalidArgumentError, InvalidTypeEr
 from vllmini.model import LlamaModel
 
 transformers = pytest.importorskip("transformers")
-from llama_cases import engine_hf_model, random_hf_model  # noqa: E402 (needs transformers)
+from llama_cases import assert_greedy, greedy_reference, random_hf_model  # noqa: E402 (needs transformers)
 
-TIE = 1e-4
 MAX_TOKENS = 16
 PROMPT_LENS = (1, 3, 4, 5, 8, 9, 16, 17)  # around block boundaries of block_size 4
-
-
-@pytest.fixture(scope="module")
-def hf():
-    return engine_hf_model()
-
-
-@pytest.fixture(scope="module")
-def model(hf):
-    return LlamaModel.from_pretrained(hf, dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -41,36 +30,14 @@ def prompts():
 
 
 @pytest.fixture(scope="module")
-def reference(hf, prompts):
-    """transformers' greedy tokens (float64, whole sequence recomputed each step) and top-2 gaps."""
-    hf64 = transformers.LlamaForCausalLM(hf.config).eval()
-    hf64.load_state_dict(hf.state_dict())
-    hf64 = hf64.double()
-    out = []
-    with torch.no_grad():
-        for p in prompts:
-            ids, tokens, gaps = list(p), [], []
-            for _ in range(MAX_TOKENS):
-                logits = hf64(torch.tensor([ids])).logits[0, -1]
-                top2 = logits.topk(2).values
-                tokens.append(int(logits.argmax()))
-                gaps.append(float(top2[0] - top2[1]))
-                ids.append(tokens[-1])
-            out.append((tokens, gaps))
-    return out
+def reference(hf64, prompts):
+    """transformers' greedy tokens (float64) and top-2 gaps, per prompt."""
+    return [greedy_reference(hf64, p, MAX_TOKENS) for p in prompts]
 
 
 def assert_same_greedy(outputs, reference):
     """Same tokens, except that after a genuine tie in transformers' logits anything may follow."""
-    full = 0
-    for o, (tokens, gaps) in zip(outputs, reference, strict=True):
-        got = o.output_token_ids
-        assert len(got) == len(tokens), (got, tokens)
-        diff = next((t for t in range(len(tokens)) if got[t] != tokens[t]), None)
-        if diff is None:
-            full += 1
-        else:
-            assert gaps[diff] < TIE, f"token {diff} differs: {got} vs {tokens} (top-2 gap {gaps[diff]:.2e})"
+    full = sum(assert_greedy(o.output_token_ids, ref) for o, ref in zip(outputs, reference, strict=True))
     assert full >= len(reference) - 1  # ties are rare: this cannot pass by accident
 
 

@@ -15,19 +15,8 @@ from vllmini.errors import InvalidArgumentError, InvalidTypeError
 from vllmini.model import LlamaModel
 
 transformers = pytest.importorskip("transformers")
-from llama_cases import engine_hf_model, float64_copy  # noqa: E402 (needs transformers)
 
 TOL = 1e-4  # float32 engine vs float64 reference
-
-
-@pytest.fixture(scope="module")
-def hf():
-    return engine_hf_model()
-
-
-@pytest.fixture(scope="module")
-def hf64(hf):
-    return float64_copy(hf)
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +28,6 @@ def tokenizer():
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.add_special_tokens(["<unk>", "<s>", "</s>"])
     return tok
-
-
-@pytest.fixture(scope="module")
-def model(hf):
-    return LlamaModel.from_pretrained(hf, dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")

@@ -19,12 +19,10 @@ from vllmini import prefix_cache as pc
 from vllmini.block_table import BlockManager
 from vllmini.engine import LLMEngine, SamplingParams, sample_seed, sharing_summary
 from vllmini.errors import InvalidArgumentError, InvalidTypeError, OutOfBlocksError
-from vllmini.model import LlamaModel
 
 transformers = pytest.importorskip("transformers")
-from llama_cases import engine_hf_model, float64_copy  # noqa: E402 (needs transformers)
+from llama_cases import TIE, assert_greedy, greedy_reference  # noqa: E402 (needs transformers)
 
-TIE = 1e-4
 BS = 4
 
 
@@ -263,48 +261,9 @@ def test_cached_blocks_always_hold_their_prefix(num_blocks, block_size, ops):
 
 
 @pytest.fixture(scope="module")
-def hf():
-    return engine_hf_model()
-
-
-@pytest.fixture(scope="module")
-def model(hf):
-    return LlamaModel.from_pretrained(hf, dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
-def hf64(hf):
-    return float64_copy(hf)
-
-
-@pytest.fixture(scope="module")
 def greedy_ref(hf64):
     """Greedy tokens and top-2 gaps of transformers in float64, memoized per prompt."""
-
-    @cache
-    def ref(prompt: tuple, max_tokens: int):
-        ids, tokens, gaps = list(prompt), [], []
-        with torch.no_grad():
-            for _ in range(max_tokens):
-                logits = hf64(torch.tensor([ids])).logits[0, -1]
-                top2 = logits.topk(2).values
-                tokens.append(int(logits.argmax()))
-                gaps.append(float(top2[0] - top2[1]))
-                ids.append(tokens[-1])
-        return tokens, gaps
-
-    return ref
-
-
-def assert_greedy(got: list, ref: tuple) -> bool:
-    """Same tokens as transformers, except after a genuine near-tie. True if all of them agree."""
-    tokens, gaps = ref
-    tokens, gaps = tokens[: len(got)], gaps[: len(got)]
-    assert len(got) == len(tokens)
-    diff = next((t for t in range(len(tokens)) if got[t] != tokens[t]), None)
-    if diff is not None:
-        assert gaps[diff] < TIE, f"token {diff} differs: {got} vs {tokens} (top-2 gap {gaps[diff]:.2e})"
-    return diff is None
+    return cache(lambda prompt, max_tokens: greedy_reference(hf64, prompt, max_tokens))
 
 
 _g = torch.Generator().manual_seed(11)
