@@ -42,8 +42,8 @@ from collections import deque
 from itertools import islice
 
 from vllmini.block_table import BlockManager
-from vllmini.checks import as_float, as_int, cdiv, one_of
-from vllmini.errors import EngineStateError, InvalidArgumentError, InvalidTypeError
+from vllmini.checks import as_bool, as_float, as_int, cdiv, one_of
+from vllmini.errors import EngineStateError, InvalidArgumentError
 from vllmini.sequence import SchedulerOutput, Sequence, SequenceStatus
 
 __all__ = ["POLICIES", "Scheduler", "SchedulerOutput", "Sequence", "SequenceStatus", "check_policy"]
@@ -95,11 +95,7 @@ class Scheduler:
         self.policy, self.block_size, self.max_model_len = policy, block_size, max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens or max(max_model_len, 2048)
-        if not isinstance(enable_chunked_prefill, bool):
-            raise InvalidTypeError(
-                f"enable_chunked_prefill must be a bool, got {type(enable_chunked_prefill).__name__}"
-            )
-        self.enable_chunked_prefill = enable_chunked_prefill
+        self.enable_chunked_prefill = as_bool(enable_chunked_prefill, "enable_chunked_prefill")
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last one is preempted first
         self.num_preemptions = 0
