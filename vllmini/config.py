@@ -31,13 +31,16 @@ class EngineConfig:
                             forward); with it, anything >= 1.
     seed:                   derives the seed of every request that has none.
     enable_prefix_caching:  reuse the KV blocks of a prompt prefix computed before (policy "paged" only).
+                            Off by default: with nothing shared it cost 2-4% tokens/s on an H200
+                            (benchmarks/RESULTS.md).
     enable_chunked_prefill: split prompts over several steps so a step never exceeds
                             max_num_batched_tokens: running decodes go first, prefills take chunks of
-                            what is left (vLLM's chunked prefill; Agrawal et al., Sarathi, 2023).
+                            what is left (vLLM's chunked prefill; Agrawal et al., Sarathi, 2023). On by
+                            default: it cost no throughput on an H200 (benchmarks/RESULTS.md).
     use_cuda_graphs:        replay decode-only steps from CUDA graphs captured at start-up, one per
                             padded batch size 1, 2, 4, 8, 16, 24, ... max_cuda_graph_batch_size
-                            (vllmini.cuda_graphs);
-                            prefill/mixed steps and larger batches run eagerly. None (default): on for a
+                            (vllmini.cuda_graphs); prefill/mixed steps and larger batches run eagerly.
+                            None (default): on for a
                             CUDA model with backend "cupy" or "torch", off on the CPU (True there raises).
     max_cuda_graph_batch_size: the largest decode batch replayed from a graph (at most 512).
     """
