@@ -53,8 +53,10 @@ class PageTablePlayground:
         return {b: cache.hash_of(b) for b in cache.evictable} if cache is not None else {}
 
     def _on_a_copy(self, change):
-        """Run `change(manager)` on a copy of the manager and keep the copy only if it succeeds: a
-        failed append must not even evict a cached block (BlockManager.append evicts before it checks)."""
+        """Run `change(manager)` on a copy of the manager and keep the copy only if it succeeds. A failed
+        step (several appends) must leave the picture exactly as it was, cached blocks included;
+        BlockManager.restore, the engine's rollback, forgets blocks evicted in between (safe there: they
+        are recomputed), so the explorer works on a copy instead (a small pool: cheap)."""
         trial = copy.deepcopy(self.manager)
         result = change(trial)
         self.manager = trial
