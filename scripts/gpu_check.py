@@ -119,7 +119,7 @@ def tier_quick():
         "quick",
         "pytest (CPU) attention+kernels",
         [py, "-m", "pytest", *cpu_tests, "-m", "not gpu", "-q", "-p", "no:cacheprovider"],
-        150,
+        300,  # a fresh machine compiles every kernel version for the emulator first
         deadline,
     )
     for prefix in GPU_NOTEBOOKS:
