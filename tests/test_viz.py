@@ -484,10 +484,10 @@ def test_explorer_clicks_travel_with_the_tokens_box():
     tokens box's own message stream: in one message with a freshly typed number, it uses that number."""
     e = PageTableExplorer(num_blocks=8, block_size=4)
     targets = {
-        (link.source[0].model_id, link.target[1]) for link in e._links if link.target[0] is e.num_tokens
+        (link.source[0].model_id, link.target[1]) for link in e.ui.links if link.target[0] is e.num_tokens
     }
     assert targets == {
-        (e._buttons[n].model_id, f"{n}_click") for n in ("add", "append", "fork", "free", "step")
+        (e.ui.buttons[n].model_id, f"{n}_click") for n in ("add", "append", "fork", "free", "step")
     }
     e.num_tokens.set_state({"value": 7, "add_click": True})  # the message the browser sends
     assert e.manager.seq_len(0) == 7 and "added seq 0 with 7 tokens" in e.status_text()

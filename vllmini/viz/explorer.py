@@ -66,10 +66,20 @@ class PageTableExplorer(BackgroundPainter):
         self.last_action = "empty pool: add a sequence"
         self.history: list[str] = []  # what every successful action did, oldest first (reset empties it)
         self._start_painter(background)
-        build_controls(self, max_tokens=self.num_blocks * self.block_size)
-        self.add_button, self.append_button = self._buttons["add"], self._buttons["append"]
-        self.fork_button, self.free_button = self._buttons["fork"], self._buttons["free"]
-        self.step_button = self._buttons["step"]
+        self.ui = build_controls(
+            self.block_size,
+            max_tokens=self.num_blocks * self.block_size,
+            on_click=self._on_click,
+            on_change=self._label_buttons,
+            on_reset=self.reset,
+        )
+        ui = self.ui
+        self.num_tokens, self.seq_select, self.samples = ui.num_tokens, ui.seq_select, ui.samples
+        self.prefix_select, self.reset_button = ui.prefix_select, ui.reset_button
+        self.status, self.image, self.controls, self.widget = ui.status, ui.image, ui.controls, ui.widget
+        self.add_button, self.append_button = ui.buttons["add"], ui.buttons["append"]
+        self.fork_button, self.free_button = ui.buttons["fork"], ui.buttons["free"]
+        self.step_button = ui.buttons["step"]
         self._label_buttons()
         self.refresh()
 

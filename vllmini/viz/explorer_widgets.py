@@ -8,6 +8,8 @@ import html
 import io
 import os
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from vllmini.viz.page_table import draw_page_table
 from vllmini.viz.snapshot import Snapshot, snapshot
@@ -55,7 +57,27 @@ def tokens_box(**kwargs):
     return type("TokensBox", (w.BoundedIntText,), flags)(**kwargs)
 
 
-def build_controls(explorer, max_tokens: int) -> None:
+@dataclass
+class Controls:
+    """The explorer's widgets: its selections, one toggle button per action, the status line and the
+    picture, laid out in `widget`."""
+
+    num_tokens: object  # the tokens box (also carries every click, see `build_controls`)
+    seq_select: object
+    samples: object
+    prefix_select: object
+    buttons: dict  # action name -> its ToggleButton
+    links: list  # the browser-side links button -> tokens box flag
+    reset_button: object
+    status: object
+    image: object
+    controls: object  # the selections and buttons, in one column
+    widget: object  # everything: status line, then controls beside the picture
+
+
+def build_controls(
+    block_size: int, max_tokens: int, on_click: Callable, on_change: Callable, on_reset: Callable
+) -> Controls:
     """Give `explorer` its widgets: tokens box, selections, action buttons, status line, picture.
 
     A click must not overtake the number typed just before it. The browser holds back a widget's update
@@ -63,12 +85,14 @@ def build_controls(explorer, max_tokens: int) -> None:
     kernel before the number. Instead each action button toggles, and the browser itself copies the
     toggle into the tokens box (jsdlink): the click then travels in the tokens box's own message stream,
     after (or in one message with) the number. The other selections are dropdowns: one message each.
+    `on_click(change)` sees the flag of the clicked action change, `on_change(change)` any selection,
+    `on_reset()` the reset button.
     """
     import ipywidgets as w
 
     wide = w.Layout(width="270px")
-    explorer.num_tokens = tokens_box(
-        value=explorer.block_size + 1,
+    num_tokens = tokens_box(
+        value=block_size + 1,
         min=1,
         max=max_tokens,
         description="tokens",
@@ -76,45 +100,59 @@ def build_controls(explorer, max_tokens: int) -> None:
         layout=wide,
         tooltip=TIPS["tokens"],
     )
-    explorer.seq_select = w.Dropdown(options=[], description="sequence", layout=wide, tooltip=TIPS["seq"])
-    explorer.samples = w.Dropdown(
+    seq_select = w.Dropdown(options=[], description="sequence", layout=wide, tooltip=TIPS["seq"])
+    samples = w.Dropdown(
         options=[2, 3, 4, 5, 6], value=2, description="samples", layout=wide, tooltip=TIPS["samples"]
     )
-    explorer.prefix_select = w.Dropdown(
+    prefix_select = w.Dropdown(
         options=[("new tokens", NEW_TOKENS)], description="starts with", layout=wide, tooltip=TIPS["prefix"]
     )
-    explorer._buttons, explorer._links = {}, []
+    buttons, links = {}, []
     for name in ACTIONS:
         button = w.ToggleButton(tooltip=TIPS[name], layout=wide)
-        explorer._links.append(w.jsdlink((button, "value"), (explorer.num_tokens, f"{name}_click")))
-        explorer.num_tokens.observe(explorer._on_click, f"{name}_click")
+        links.append(w.jsdlink((button, "value"), (num_tokens, f"{name}_click")))
+        num_tokens.observe(on_click, f"{name}_click")
         button.add_class("vllmini-action")
-        explorer._buttons[name] = button
-    explorer.reset_button = w.Button(description="reset: empty pool", icon="refresh", layout=wide)
-    explorer.reset_button.on_click(lambda _button: explorer.reset())
-    for widget in (explorer.num_tokens, explorer.seq_select, explorer.samples, explorer.prefix_select):
-        widget.observe(explorer._label_buttons, "value")
-    explorer.status = w.HTML()
+        buttons[name] = button
+    reset_button = w.Button(description="reset: empty pool", icon="refresh", layout=wide)
+    reset_button.on_click(lambda _button: on_reset())
+    selections = [num_tokens, seq_select, samples, prefix_select]
+    for widget in selections:
+        widget.observe(on_change, "value")
+    status = w.HTML()
     picture = w.Layout(max_width="100%", min_width="0", height="auto", flex="0 1 auto", object_fit="contain")
-    explorer.image = w.Image(format="png", layout=picture)  # shrinks (keeping its shape) in narrow cells
-    selections = [explorer.num_tokens, explorer.seq_select, explorer.samples, explorer.prefix_select]
-    buttons = [explorer._buttons[name] for name in ACTIONS] + [explorer.reset_button]
-    explorer.controls = w.VBox([*selections, w.HTML(HELP), *buttons], layout=w.Layout(min_width="280px"))
+    image = w.Image(format="png", layout=picture)  # shrinks (keeping its shape) in narrow cells
+    controls = w.VBox(
+        [*selections, w.HTML(HELP), *buttons.values(), reset_button], layout=w.Layout(min_width="280px")
+    )
     style = w.HTML(CSS, layout=w.Layout(display="none"))
-    explorer.widget = w.VBox([style, explorer.status, w.HBox([explorer.controls, explorer.image])])
+    widget = w.VBox([style, status, w.HBox([controls, image])])
     named = {
-        "explorer": explorer.widget,
-        "tokens": explorer.num_tokens,
-        "seq": explorer.seq_select,
-        "samples": explorer.samples,
-        "prefix": explorer.prefix_select,
-        "reset": explorer.reset_button,
-        "status": explorer.status,
-        "image": explorer.image,
-        **explorer._buttons,
+        "explorer": widget,
+        "tokens": num_tokens,
+        "seq": seq_select,
+        "samples": samples,
+        "prefix": prefix_select,
+        "reset": reset_button,
+        "status": status,
+        "image": image,
+        **buttons,
     }
-    for name, widget in named.items():
-        widget.add_class(f"vllmini-{name}")  # stable handles for the browser test
+    for name, each in named.items():
+        each.add_class(f"vllmini-{name}")  # stable handles for the browser test
+    return Controls(
+        num_tokens,
+        seq_select,
+        samples,
+        prefix_select,
+        buttons,
+        links,
+        reset_button,
+        status,
+        image,
+        controls,
+        widget,
+    )
 
 
 class BackgroundPainter:
