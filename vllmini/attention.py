@@ -69,20 +69,20 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _decode_torch(a: DecodeArgs, min_seq_len: int) -> torch.Tensor:
+def _decode_torch(args: DecodeArgs, min_seq_len: int) -> torch.Tensor:
     """Naive paged decode: gather every sequence's pages (padded to the longest), then SDPA.
 
     min_seq_len (known on the host from validation) says which positions may need masking: none when
     every sequence is equally long, else only positions min_seq_len .. max_seq_len - 1."""
-    q, kc, vc = a.query, a.key_cache, a.value_cache
+    q, kc, vc = args.query, args.key_cache, args.value_cache
     num_seqs, num_heads, head_size = q.shape
     block_size, num_kv_heads = kc.shape[1], kc.shape[2]
     group = num_heads // num_kv_heads  # query heads per kv head
-    L = a.max_seq_len
+    L = args.max_seq_len
     nb = cdiv(L, block_size)  # blocks of the longest sequence
     ragged = min_seq_len < L  # some sequences are shorter than the longest: mask their tails
-    lens = a.seq_lens[:, None]  # (S, 1)
-    pages = a.block_tables[:, :nb].long()  # (S, nb)
+    lens = args.seq_lens[:, None]  # (S, 1)
+    pages = args.block_tables[:, :nb].long()  # (S, nb)
     if ragged:  # a shorter sequence's padding entries may hold anything: read page 0 instead (zeroed below)
         used = torch.arange(nb, device=q.device)[None, :] * block_size < lens  # (S, nb)
         pages = torch.where(used, pages, 0)
@@ -103,28 +103,28 @@ def _decode_torch(a: DecodeArgs, min_seq_len: int) -> torch.Tensor:
     qg = q.view(num_seqs, num_kv_heads, group, head_size)  # (S, kvh, G, hs)
     k, v = k.transpose(1, 2), v.transpose(1, 2)  # (S, kvh, L, hs) strided views; SDPA takes them as is
     # SDPA accumulates in float32 for half types (and keeps float64 in float64)
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=a.scale)  # (S, kvh, G, hs)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=args.scale)  # (S, kvh, G, hs)
     return out.reshape(num_seqs, num_heads, head_size)
 
 
-def _prefill_torch(a: PrefillArgs, lens: np.ndarray, starts: np.ndarray) -> torch.Tensor:
+def _prefill_torch(args: PrefillArgs, lens: np.ndarray, starts: np.ndarray) -> torch.Tensor:
     """Paged prefill for the whole batch in one attention call, no loop over sequences: gather every
     sequence's pages into a padded (S, L, kvh, hs) tensor with one index, lay the new tokens out on a
     padded (S, N) grid, and run one SDPA with a mask that is causal (query row j of sequence s sits at
     position lens[s] - n_s + j, so a chunk that starts at k > 0 works) and cuts each sequence at its length.
     lens/starts: seq_lens and query_start_loc on the host (from validation: the indices need no sync)."""
-    q, kc, vc = a.query, a.key_cache, a.value_cache
+    q, kc, vc = args.query, args.key_cache, args.value_cache
     num_tokens, num_heads, head_size = q.shape
     block_size, num_kv_heads = kc.shape[1], kc.shape[2]
     group = num_heads // num_kv_heads  # query heads per kv head
-    S, L, N, device = len(lens), a.max_seq_len, a.max_query_len, q.device
+    S, L, N, device = len(lens), args.max_seq_len, args.max_query_len, q.device
     q_lens = np.diff(starts)  # (S,) new tokens of each sequence
     # where each new token sits on the (S, N) grid, and where each grid row sits in the sequence
     rows = np.repeat(np.arange(S) * N - starts[:-1], q_lens) + np.arange(num_tokens)  # (T,)
     q_pos = (lens - q_lens)[:, None] + np.arange(N)[None, :]  # (S, N); rows past n_s: padding
     rows, q_pos, lens_d = (torch.from_numpy(x).to(device) for x in (rows, q_pos, lens))
     nb = cdiv(L, block_size)
-    pages = a.block_tables[:, :nb].long()  # (S, nb)
+    pages = args.block_tables[:, :nb].long()  # (S, nb)
     used = torch.arange(nb, device=device)[None, :] * block_size < lens_d[:, None]  # (S, nb)
     pages = torch.where(used, pages, 0)  # padding entries may hold anything: read page 0 (zeroed below)
     acc = q.dtype if device.type == "cuda" else _acc_dtype(q.dtype)  # CUDA SDPA accumulates in float32
@@ -143,7 +143,7 @@ def _prefill_torch(a: PrefillArgs, lens: np.ndarray, starts: np.ndarray) -> torc
     qg = qg.reshape(S, num_kv_heads, group * N, head_size)
     mask = allowed[:, None, None].expand(S, 1, group, N, L).reshape(S, 1, group * N, L)
     out = F.scaled_dot_product_attention(
-        qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=a.scale
+        qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=args.scale
     )  # (S, kvh, G*N, hs)
     out = out.view(S, num_kv_heads, group, N, head_size).permute(0, 3, 1, 2, 4)  # (S, N, kvh, G, hs)
     return out.reshape(S * N, num_heads, head_size)[rows].to(q.dtype)  # (T, nh, hs)
@@ -219,33 +219,35 @@ def paged_attention(
     True = "host" (one sync on CUDA), False = "trust", or "guard". kernel_version (backends "cupy" and
     "emulator"): a number or name from vllmini.cuda_kernels.kernel_versions(); None = the best one."""
     _check_backend_name(backend)
-    a, _ = _validate_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, check_tables=False)
-    backend = resolve_backend(backend, a.query.device, a.query.dtype)
+    args, _ = _validate_decode(
+        query, key_cache, value_cache, block_tables, seq_lens, scale, check_tables=False
+    )
+    backend = resolve_backend(backend, args.query.device, args.query.dtype)
     version = None
     if backend in ("cupy", "emulator"):
         cuda_kernels = importlib.import_module("vllmini.cuda_kernels")  # lazy: only kernel users pay for it
-        version = cuda_kernels.resolve_kernel_version(kernel_version, a.query.dtype)
+        version = cuda_kernels.resolve_kernel_version(kernel_version, args.query.dtype)
     elif kernel_version is not None:
         raise InvalidArgumentError(
             f"kernel_version applies to backends 'cupy' and 'emulator', not {backend!r}; "
             f"got {kernel_version!r}"
         )
-    mode = _table_check_mode(validate, a.query.device, backend, version is not None and version.guard)
-    num_seqs = a.query.shape[0]
+    mode = _table_check_mode(validate, args.query.device, backend, version is not None and version.guard)
+    num_seqs = args.query.shape[0]
     lens = None
     if mode == "host" and num_seqs:
         bt, lens = _host_view(block_tables, seq_lens)  # the caller's values (int64 ones unclamped)
-        lens = _check_tables_host(bt, lens, a.key_cache.shape[0], a.key_cache.shape[1])
-        a = a._replace(max_seq_len=int(lens.max()))
+        lens = _check_tables_host(bt, lens, args.key_cache.shape[0], args.key_cache.shape[1])
+        args = args._replace(max_seq_len=int(lens.max()))
     if num_seqs == 0:
-        return torch.empty_like(a.query)
+        return torch.empty_like(args.query)
     if backend == "torch":
-        return _decode_torch(a, int(lens.min()) if lens is not None else 0)  # 0: mask, lengths unknown
-    out = torch.empty_like(a.query)
-    error = kernel_error_buffer(a.query.device) if mode == "guard" else None
+        return _decode_torch(args, int(lens.min()) if lens is not None else 0)  # 0: mask, lengths unknown
+    out = torch.empty_like(args.query)
+    error = kernel_error_buffer(args.query.device) if mode == "guard" else None
     cuda_kernels.paged_attention_kernel(
-        a.query, a.key_cache, a.value_cache, a.block_tables, a.seq_lens, a.scale, out, runtime=backend,
-        version=version, error=error, _validated=True,
+        args.query, args.key_cache, args.value_cache, args.block_tables, args.seq_lens, args.scale, out,
+        runtime=backend, version=version, error=error, _validated=True,
     )  # fmt: skip
     return out
 
@@ -269,12 +271,12 @@ def paged_prefill_attention(
             f"paged_prefill_attention supports backend 'torch' (or 'auto'), got {backend!r}; "
             "the CUDA kernels implement decode only"
         )
-    a, lens, starts = _validate_prefill(
+    args, lens, starts = _validate_prefill(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale
     )
-    if a.query.shape[0] == 0:
-        return torch.empty_like(a.query)
-    return _prefill_torch(a, lens, starts.astype(np.int64))
+    if args.query.shape[0] == 0:
+        return torch.empty_like(args.query)
+    return _prefill_torch(args, lens, starts.astype(np.int64))
 
 
 def to_device(t: torch.Tensor, device) -> torch.Tensor:

@@ -67,10 +67,10 @@ class EngineConfig:
             if getattr(self, name) is not None:
                 setattr(self, name, as_int(getattr(self, name), name, min=1))
         if self.gpu_memory_utilization is not None:
-            u = as_float(self.gpu_memory_utilization, "gpu_memory_utilization", max=1.0)
-            if not u > 0.0:
-                raise InvalidArgumentError(f"gpu_memory_utilization must be in (0, 1], got {u}")
-            self.gpu_memory_utilization = u
+            share = as_float(self.gpu_memory_utilization, "gpu_memory_utilization", max=1.0)
+            if not share > 0.0:
+                raise InvalidArgumentError(f"gpu_memory_utilization must be in (0, 1], got {share}")
+            self.gpu_memory_utilization = share
         sizes = [
             n
             for n in ("num_blocks", "kv_cache_memory", "gpu_memory_utilization")

@@ -71,8 +71,8 @@ def read_checkpoint(path_or_hf_model, parse_config: Callable[[dict], Any]) -> Ch
         where = f"the {type(path_or_hf_model).__name__}"
         config = parse_config(path_or_hf_model.config.to_dict())
         state = path_or_hf_model.state_dict()
-        g = getattr(path_or_hf_model, "generation_config", None)
-        gen = {"eos_token_id": getattr(g, "eos_token_id", None)}
+        generation = getattr(path_or_hf_model, "generation_config", None)
+        gen = {"eos_token_id": getattr(generation, "eos_token_id", None)}
         device = next(path_or_hf_model.parameters()).device
     else:
         raise InvalidTypeError(

@@ -159,14 +159,14 @@ def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
     """
     dim = config.head_dim
     inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim)
-    s = config.rope_scaling
-    if s is None:
+    scaling = config.rope_scaling
+    if scaling is None:
         pass
-    elif s["rope_type"] == "linear":
-        inv_freq = inv_freq / s["factor"]
+    elif scaling["rope_type"] == "linear":
+        inv_freq = inv_freq / scaling["factor"]
     else:  # llama3
-        factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-        old_len = s["original_max_position_embeddings"]
+        factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
         wavelen = 2 * math.pi / inv_freq
         # 0 for wavelengths longer than old_len / lo (fully scaled), 1 below old_len / hi (unscaled)
         smooth = ((old_len / wavelen - lo) / (hi - lo)).clamp(0.0, 1.0)
@@ -204,34 +204,35 @@ class Attention(nn.Module):
         reshape_and_cache(
             k, v, key_cache, value_cache, meta.slot_mapping, validate=False, padding=meta.has_padding
         )
-        P, n = meta.num_prefill_tokens, meta.num_prefills
+        # the batch is prefills first: their new tokens are rows [0, split), one row per decode follows
+        split, num_prefills = meta.num_prefill_tokens, meta.num_prefills
         # a decode-only batch takes the attention's output as is (no buffer, no copy: fewer launches)
-        out = torch.empty_like(q) if n else None  # (T, nh, hd)
-        if n:  # only the torch backend has a prefill path
-            out[:P] = paged_prefill_attention(
-                q[:P],
+        out = torch.empty_like(q) if num_prefills else None  # (T, nh, hd)
+        if num_prefills:  # only the torch backend has a prefill path
+            out[:split] = paged_prefill_attention(
+                q[:split],
                 key_cache,
                 value_cache,
-                meta.block_tables[:n],
-                meta.seq_lens[:n],
-                meta.query_start_loc[: n + 1],
+                meta.block_tables[:num_prefills],
+                meta.seq_lens[:num_prefills],
+                meta.query_start_loc[: num_prefills + 1],
                 backend="torch" if backend in ("cupy", "emulator") else backend,
             )
         if meta.num_decodes:
             decoded = paged_attention(
-                q[P:],
+                q[split:],
                 key_cache,
                 value_cache,
-                meta.block_tables[n:],
-                meta.seq_lens[n:],
+                meta.block_tables[num_prefills:],
+                meta.seq_lens[num_prefills:],
                 backend=backend,
                 # the model checked the tables on the host this forward, or the kernel's guard checks them
                 validate="guard" if guarded_by_default(backend, q.device, q.dtype) else False,
-            )  # (T - P, nh, hd)
+            )  # (T - split, nh, hd)
             if out is None:
                 out = decoded
             else:
-                out[P:] = decoded
+                out[split:] = decoded
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
 
 
@@ -240,10 +241,10 @@ class MLP(nn.Module):
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
-        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(h, i, bias=bias)
-        self.up_proj = nn.Linear(h, i, bias=bias)
-        self.down_proj = nn.Linear(i, h, bias=bias)
+        hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
+        self.up_proj = nn.Linear(hidden, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -324,8 +325,8 @@ class LlamaModel(nn.Module):
         if not meta.host_checked:
             check_slot_mapping(meta.slot_mapping, num_blocks * block_size, allow_padding=False)
         if meta.num_decodes and not guarded and not meta.host_checked:
-            n = meta.num_prefills  # (with the guard: no sync here; the engine calls check_kernel_errors)
-            check_block_tables(meta.block_tables[n:], meta.seq_lens[n:], num_blocks, block_size)
+            decodes = slice(meta.num_prefills, None)  # (with the guard: no sync here; the engine checks)
+            check_block_tables(meta.block_tables[decodes], meta.seq_lens[decodes], num_blocks, block_size)
         x = self.embed_tokens(input_ids)  # (T, hidden)
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
@@ -339,8 +340,8 @@ class LlamaModel(nn.Module):
         return self.lm_head(self.norm(x))
 
     def _check_cache(self, kv_cache) -> None:
-        c = self.config
-        want = (c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.dtype)
+        config = self.config
+        want = (config.num_hidden_layers, config.num_key_value_heads, config.head_dim, self.dtype)
         got = (
             len(kv_cache.key_caches),
             kv_cache.key_caches[0].shape[2],
