@@ -62,10 +62,10 @@ def scaled_lengths(
     max_model_len = as_int(max_model_len, "max_model_len", min=2)
     scale = as_int(scale, "scale", min=1)
     out = []
-    for i, o in sample_requests(n, workload, max_model_len * scale, as_int(seed, "seed", min=0)):
-        i = min(max(1, round(i / scale)), max_model_len - 1)
-        o = min(max(1, round(o / scale)), max_model_len - i)
-        out.append((i, o))
+    for prompt, output in sample_requests(n, workload, max_model_len * scale, as_int(seed, "seed", min=0)):
+        prompt = min(max(1, round(prompt / scale)), max_model_len - 1)
+        output = min(max(1, round(output / scale)), max_model_len - prompt)
+        out.append((prompt, output))
     return out
 
 
