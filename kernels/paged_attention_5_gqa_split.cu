@@ -504,6 +504,26 @@ __device__ void dispatch(typename Dtype::storage* __restrict__ out, float* __res
 // ----------------------------------------------------------------------------- entry points
 // One per element type; 16-bit values travel as their raw bits (unsigned short). heads_per_block 1
 // takes the copy compiled for one head per block (fewer registers), larger values the GQA copy.
+template <typename Dtype>
+__device__ void entry(typename Dtype::storage* __restrict__ out, float* __restrict__ part_out,
+                      float* __restrict__ part_ml, const typename Dtype::storage* __restrict__ q,
+                      const typename Dtype::storage* __restrict__ k_cache,
+                      const typename Dtype::storage* __restrict__ v_cache, const int* __restrict__ block_tables,
+                      const int* __restrict__ seq_lens, int* error, const int num_blocks, const int block_size,
+                      const int num_heads, const int head_size, const int num_kv_heads,
+                      const int max_num_blocks_per_seq, const int heads_per_block, const int pages_per_split,
+                      const float scale) {
+    if (heads_per_block == 1) {
+        if constexpr (VLLMINI_ONLY_GQA != 1)
+            dispatch<Dtype, false>(out, part_out, part_ml, q, k_cache, v_cache, block_tables, seq_lens, error,
+                                   num_blocks, block_size, num_heads, head_size, num_kv_heads,
+                                   max_num_blocks_per_seq, heads_per_block, pages_per_split, scale);
+    } else if constexpr (VLLMINI_ONLY_GQA != 0) {
+        dispatch<Dtype, true>(out, part_out, part_ml, q, k_cache, v_cache, block_tables, seq_lens, error,
+                              num_blocks, block_size, num_heads, head_size, num_kv_heads, max_num_blocks_per_seq,
+                              heads_per_block, pages_per_split, scale);
+    }
+}
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_5_gqa_split(
     float* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_ml, const float* __restrict__ q,
@@ -511,16 +531,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_5_gqa_
     const int* __restrict__ seq_lens, int* error, const int num_blocks, const int block_size, const int num_heads,
     const int head_size, const int num_kv_heads, const int max_num_blocks_per_seq, const int heads_per_block,
     const int pages_per_split, const float scale) {
-    if (heads_per_block == 1) {
-        if constexpr (VLLMINI_ONLY_GQA != 1)
-            dispatch<Float32, false>(out, part_out, part_ml, q, k_cache, v_cache, block_tables, seq_lens, error,
-                                 num_blocks, block_size, num_heads, head_size, num_kv_heads,
-                                 max_num_blocks_per_seq, heads_per_block, pages_per_split, scale);
-    } else if constexpr (VLLMINI_ONLY_GQA != 0) {
-        dispatch<Float32, true>(out, part_out, part_ml, q, k_cache, v_cache, block_tables, seq_lens, error, num_blocks,
-                            block_size, num_heads, head_size, num_kv_heads, max_num_blocks_per_seq,
-                            heads_per_block, pages_per_split, scale);
-    }
+    entry<Float32>(out, part_out, part_ml, q, k_cache, v_cache, block_tables, seq_lens, error, num_blocks,
+                   block_size, num_heads, head_size, num_kv_heads, max_num_blocks_per_seq, heads_per_block,
+                   pages_per_split, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_5_gqa_split_f16(
@@ -529,16 +542,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_5_gqa_
     const int* __restrict__ seq_lens, int* error, const int num_blocks, const int block_size, const int num_heads,
     const int head_size, const int num_kv_heads, const int max_num_blocks_per_seq, const int heads_per_block,
     const int pages_per_split, const float scale) {
-    if (heads_per_block == 1) {
-        if constexpr (VLLMINI_ONLY_GQA != 1)
-            dispatch<Float16, false>(out, part_out, part_ml, q, k_cache, v_cache, block_tables, seq_lens, error,
-                                 num_blocks, block_size, num_heads, head_size, num_kv_heads,
-                                 max_num_blocks_per_seq, heads_per_block, pages_per_split, scale);
-    } else if constexpr (VLLMINI_ONLY_GQA != 0) {
-        dispatch<Float16, true>(out, part_out, part_ml, q, k_cache, v_cache, block_tables, seq_lens, error, num_blocks,
-                            block_size, num_heads, head_size, num_kv_heads, max_num_blocks_per_seq,
-                            heads_per_block, pages_per_split, scale);
-    }
+    entry<Float16>(out, part_out, part_ml, q, k_cache, v_cache, block_tables, seq_lens, error, num_blocks,
+                   block_size, num_heads, head_size, num_kv_heads, max_num_blocks_per_seq, heads_per_block,
+                   pages_per_split, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_5_gqa_split_bf16(
@@ -547,16 +553,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_5_gqa_
     const int* __restrict__ seq_lens, int* error, const int num_blocks, const int block_size, const int num_heads,
     const int head_size, const int num_kv_heads, const int max_num_blocks_per_seq, const int heads_per_block,
     const int pages_per_split, const float scale) {
-    if (heads_per_block == 1) {
-        if constexpr (VLLMINI_ONLY_GQA != 1)
-            dispatch<BFloat16, false>(out, part_out, part_ml, q, k_cache, v_cache, block_tables, seq_lens, error,
-                                 num_blocks, block_size, num_heads, head_size, num_kv_heads,
-                                 max_num_blocks_per_seq, heads_per_block, pages_per_split, scale);
-    } else if constexpr (VLLMINI_ONLY_GQA != 0) {
-        dispatch<BFloat16, true>(out, part_out, part_ml, q, k_cache, v_cache, block_tables, seq_lens, error, num_blocks,
-                            block_size, num_heads, head_size, num_kv_heads, max_num_blocks_per_seq,
-                            heads_per_block, pages_per_split, scale);
-    }
+    entry<BFloat16>(out, part_out, part_ml, q, k_cache, v_cache, block_tables, seq_lens, error, num_blocks,
+                    block_size, num_heads, head_size, num_kv_heads, max_num_blocks_per_seq, heads_per_block,
+                    pages_per_split, scale);
 }
 
 // The merge of a split context (grid (num_seqs, num_heads), any block size): with M = max_s m_s and
