@@ -41,7 +41,7 @@ from __future__ import annotations
 from collections import deque
 from itertools import islice
 
-from vllmini.block_table import BlockManager
+from vllmini.block_manager import BlockManager
 from vllmini.checks import as_bool, as_float, as_int, cdiv, one_of
 from vllmini.errors import EngineStateError, InvalidArgumentError
 from vllmini.sequence import SchedulerOutput, Sequence, SequenceStatus
