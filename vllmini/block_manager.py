@@ -310,6 +310,29 @@ class BlockManager:
             "cached_blocks": self.num_cached_free_blocks,
         }
 
+    def usage(self, num_tokens: int) -> dict:
+        """`utilization()` and `sharing()` in one dict, cheap enough for every step (see StepStats).
+        `num_tokens`: the tokens the sequences hold, as the caller counts them (a static reservation's
+        table holds more); kept unless blocks are shared.
+
+        O(sequences): `utilization` walks every block (it counts shared blocks once; 7 ms a step at 16k
+        blocks), and counts a static reservation as tokens. Only when blocks are shared does this walk
+        the tables, to count shared blocks and their tokens once."""
+        used = self.num_blocks - self.num_free_blocks
+        logical, shared = sum(t.num_blocks for t in self._tables.values()), 0
+        if logical > used - self.num_pinned_blocks:  # some physical block has several owners
+            num_tokens, shared = self.utilization()["num_tokens"], self.sharing()["shared_blocks"]
+        return {
+            "num_tokens": num_tokens,
+            "allocated_slots": used * self.block_size,
+            "pool_slots": self.num_blocks * self.block_size,
+            "used_blocks": used,
+            "free_blocks": self.num_free_blocks,
+            "logical_blocks": logical,
+            "shared_blocks": shared,
+            "cached_blocks": self.num_cached_free_blocks,
+        }
+
     def __repr__(self) -> str:
         return (
             f"BlockManager(num_blocks={self.num_blocks}, block_size={self.block_size}, "
