@@ -312,12 +312,11 @@ class BlockManager:
 
     def usage(self, num_tokens: int) -> dict:
         """`utilization()` and `sharing()` in one dict, cheap enough for every step (see StepStats).
-        `num_tokens`: the tokens the sequences hold, as the caller counts them (a static reservation's
-        table holds more); kept unless blocks are shared.
 
-        O(sequences): `utilization` walks every block (it counts shared blocks once; 7 ms a step at 16k
-        blocks), and counts a static reservation as tokens. Only when blocks are shared does this walk
-        the tables, to count shared blocks and their tokens once."""
+        O(sequences), where `utilization` walks every block (it counts shared blocks once; 7 ms a step at
+        16k blocks) and counts a static reservation as tokens. `num_tokens` is what the sequences hold as
+        the caller counts them; only when blocks are shared are the tables walked, to count shared blocks
+        and their tokens once."""
         used = self.num_blocks - self.num_free_blocks
         logical, shared = sum(t.num_blocks for t in self._tables.values()), 0
         if logical > used - self.num_pinned_blocks:  # some physical block has several owners
