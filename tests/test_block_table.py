@@ -1,5 +1,9 @@
-"""Tests for vllmini.block_table: BlockTable (one page table) and BlockManager (many), plus a
-hypothesis state machine that drives many sequences and checks the whole pool after every step."""
+"""Tests for vllmini.block_table (BlockTable: one page table) and vllmini.block_manager (BlockManager:
+many), plus a hypothesis state machine that drives many sequences and checks the whole pool after every
+step."""
+
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -394,6 +398,41 @@ def test_utilization():
     assert (u["num_tokens"], u["used_blocks"]) == (11, 4)
 
 
+def test_usage_is_utilization_and_sharing_in_one():
+    m = BlockManager(8, 4)
+    m.allocate(0, 5)
+    m.allocate(1, 4)
+    assert m.usage(num_tokens=11) == {  # nothing shared: the caller's token count is kept
+        "num_tokens": 11,
+        "allocated_slots": 12,
+        "pool_slots": 32,
+        "used_blocks": 3,
+        "free_blocks": 5,
+        "logical_blocks": 3,
+        "shared_blocks": 0,
+        "cached_blocks": 0,
+    }
+    m.fork(0, 2)  # shared: tokens are counted block by block, each shared block once
+    u = m.usage(num_tokens=99)
+    assert (u["num_tokens"], u["used_blocks"], u["logical_blocks"], u["shared_blocks"]) == (9, 3, 5, 2)
+
+
+def test_block_manager_is_still_importable_from_block_table():
+    """BlockManager lives in vllmini/block_manager.py, which imports block_table, never the reverse:
+    loading block_table loads no block_manager; the old import finds it on first use."""
+    code = (
+        "import sys, vllmini.block_table as bt; print('vllmini.block_manager' in sys.modules); "
+        "from vllmini.block_table import BlockManager; from vllmini import block_manager; "
+        "print(BlockManager is block_manager.BlockManager)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "True"]
+    import vllmini.block_table as bt
+
+    with pytest.raises(AttributeError, match="has no attribute 'BlockManagr'"):
+        _ = bt.BlockManagr
+
+
 def test_block_fill_counts_each_physical_block_once():
     # seq A: 5 tokens in blocks 3, 0; seq B (a fork of A grown to 6) shares block 3, owns block 1
     assert block_fill([([3, 0], 5), ([3, 1], 6)], 4) == {3: 4, 0: 1, 1: 2}
@@ -525,6 +564,16 @@ class ManySequences(RuleBasedStateMachine):
                 assert bt[row, : len(ids)].tolist() == ids
                 assert (bt[row, len(ids) :] == -1).all()
                 assert lens[row].item() == m.seq_len(s)
+
+    @invariant()
+    def usage_agrees_with_utilization_and_sharing(self):
+        m = self.m
+        u = m.usage(sum(m.seq_len(s) for s in m.seq_ids))
+        full, shared = m.utilization(), m.sharing()
+        assert [u[k] for k in ("num_tokens", "used_blocks", "free_blocks")] == [
+            full[k] for k in ("num_tokens", "used_blocks", "free_blocks")
+        ]
+        assert [u[k] for k in shared] == list(shared.values())
 
     @invariant()
     def every_sequence_reads_its_own_tokens(self):

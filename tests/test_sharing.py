@@ -16,7 +16,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from vllmini import prefix_cache as pc
-from vllmini.block_table import BlockManager
+from vllmini.block_manager import BlockManager
 from vllmini.engine import LLMEngine, SamplingParams, sample_seed, sharing_summary
 from vllmini.errors import InvalidArgumentError, InvalidTypeError, OutOfBlocksError
 

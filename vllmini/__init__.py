@@ -25,7 +25,7 @@ _EXPORTS = {
     "EngineStateError": "errors",
     "BlockAllocator": "allocator",
     "BlockTable": "block_table",
-    "BlockManager": "block_table",
+    "BlockManager": "block_manager",
     "PagedKVCache": "kv_cache",
     "reshape_and_cache": "kv_cache",
     "paged_attention": "attention",
@@ -43,9 +43,9 @@ _EXPORTS = {
     "LLMEngine": "engine",
 }
 _SUBMODULES = set(
-    "errors checks memory allocator block_table prefix_cache kv_cache attention cuda_kernels emulator "
-    "model sequence scheduler sampling outputs processing interrupts config engine arrivals serving latency "
-    "exercises viz".split()
+    "errors checks memory allocator block_table block_manager prefix_cache kv_cache attention cuda_kernels "
+    "emulator model sequence scheduler sampling outputs processing interrupts config engine arrivals serving "
+    "latency exercises viz".split()
 )
 
 __all__ = sorted(_EXPORTS)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from vllmini.attention import AttentionMetadata, check_kernel_errors, guarded_by_default, to_device
-from vllmini.block_table import BlockManager
+from vllmini.block_manager import BlockManager
 from vllmini.checks import cdiv
 from vllmini.config import EngineConfig
 from vllmini.errors import InvalidArgumentError

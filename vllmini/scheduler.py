@@ -1,39 +1,33 @@
 """Continuous batching: which sequences run in the next forward, and where their tokens go.
 
-Every step the scheduler builds one batch: all running sequences take one decode step each, and
-waiting prompts are admitted (prefilled) while the block pool has room, keeping a small watermark of
-free blocks so the running ones can still grow. A decode that needs a new block when none is free
-preempts the most recently admitted sequence *by recomputation*: its blocks are freed and it goes back
-to the head of the waiting queue with the tokens it has generated; when it is admitted again, its
-prompt + generated tokens are prefilled in one go. Requests are never lost or duplicated.
+Every step builds one batch: each running sequence takes one decode step, and waiting prompts are admitted
+(prefilled) while the block pool has room, keeping a small watermark of free blocks so the running ones can
+still grow. A decode that needs a new block when none is free preempts the most recently admitted sequence
+*by recomputation*: its blocks are freed and it goes back to the head of the waiting queue with the tokens
+it has generated, to be prefilled (prompt + generated) in one go when admitted again. Requests are never
+lost or duplicated.
 
 Sharing pages. A request with n samples (parallel sampling) is a group of n sequences, admitted together
 only if the whole group fits (each counts against max_num_seqs) and preempted together. A fresh group
-prefills its prompt once: the first sample computes it, the others fork its page table (reference counts)
-and sample from the same logits; each copies the shared, partly filled last block before writing into
-it (copy-on-write, `BlockManager.take_pending_copies`). A group readmitted after preemption recomputes
-the first sample's tokens; the others share its whole blocks as far as their tokens agree and compute
-only the rest. With prefix caching, a sequence admitted starts on the longest cached prefix of its
-tokens. Either way a prefill computes tokens [num_computed_tokens, num_tokens): it may start at k > 0.
+prefills its prompt once: the first sample computes it, the others fork its page table (reference counts),
+sample from the same logits and copy the shared, partly filled last block before writing into it
+(copy-on-write, `BlockManager.take_pending_copies`). Readmitted after preemption, the first sample
+recomputes its tokens and the others share its whole blocks as far as their tokens agree, computing only
+the rest. With prefix caching, an admitted sequence starts on the longest cached prefix of its tokens.
+Either way a prefill computes tokens [num_computed_tokens, num_tokens): it may start at k > 0.
 
 Chunked prefill (enable_chunked_prefill): a step never holds more than max_num_batched_tokens tokens.
-Running decodes go first (one token each); then sequences still prefilling, oldest first, and then newly
-admitted ones each take a chunk [num_computed_tokens, end) of what is left. A request is admitted with
-blocks for all its tokens, so chunks never allocate or preempt; a prefill that starts at k > 0 is the same
-mechanism prefix caching uses. Samples that fork the first one wait for its last chunk, then sample from
-its logits; samples that share some of its blocks wait until it has computed them.
+Running decodes go first, then prompts take chunks of what is left (vllmini/chunked_prefill.py says how).
 
 A step can be undone: `snapshot()` before `schedule()` and `restore()` after a failed forward put back
 every allocation, append and preemption, so the next `schedule()` makes the same batch again. A sequence
 preempted in the failed step gets its blocks back, but the failed forward may have written other tokens
 into them: it is marked stale and recomputed unless the replayed step preempts it again anyway.
 
-Policies, over the same model and pool:
-  "paged"   blocks are allocated as tokens arrive (vLLM).
-  "static"  each admitted request reserves max_model_len slots up front (before paging; Orca (Max)).
-  "oracle"  each request reserves exactly prompt + max_tokens slots (Orca (Oracle): knows its length).
-Static reservations are taken as whole blocks from the same pool, so the comparison keeps everything
-else equal; a reservation can never run out, so static policies never preempt.
+Policies (POLICIES), over the same model and pool: "paged" allocates blocks as tokens arrive (vLLM);
+"static" reserves max_model_len slots per admitted request up front (before paging; Orca (Max)); "oracle"
+reserves exactly prompt + max_tokens (Orca (Oracle): knows its length). Reservations are whole blocks
+of the same pool, so all else stays equal; one can never run out, so static policies never preempt.
 """
 
 from __future__ import annotations
@@ -41,7 +35,8 @@ from __future__ import annotations
 from collections import deque
 from itertools import islice
 
-from vllmini.block_table import BlockManager
+from vllmini import chunked_prefill
+from vllmini.block_manager import BlockManager
 from vllmini.checks import as_bool, as_float, as_int, cdiv, one_of
 from vllmini.errors import EngineStateError, InvalidArgumentError
 from vllmini.sequence import SchedulerOutput, Sequence, SequenceStatus
@@ -248,6 +243,51 @@ class Scheduler:
             f"{bm.watermark_blocks} held back as watermark"
         )
 
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's batch, allocating or reserving the slots its new tokens go to."""
+        out = SchedulerOutput()
+        self._schedule_decodes(out)  # 1) running sequences decode, preempting if the pool runs out
+        self._schedule_admissions(out)  # 2) waiting requests start (or take a chunk) while they fit
+        # 3) the slots of this step's new tokens: the uncomputed tokens of prefills, the last of decodes
+        bm = self.block_manager
+        for seq in out.prefills:
+            end = out.prefill_end(seq)
+            out.slot_mapping += bm.slot_mapping(seq.seq_id, seq.num_computed_tokens, end)
+            out.num_prefill_tokens += end - seq.num_computed_tokens
+        for seq in out.decodes:
+            out.slot_mapping += bm.slot_mapping(seq.seq_id, seq.num_tokens - 1, seq.num_tokens)
+        return out
+
+    def _schedule_decodes(self, out: SchedulerOutput) -> None:
+        """Every running sequence decodes one token (the one it sampled last step), oldest first; with
+        chunked prefill, those still prefilling get their next chunk in `_schedule_admissions`. While a
+        decode finds no free block, the most recently admitted group is preempted."""
+        bm = self.block_manager
+        order = {id(s): i for i, s in enumerate(self.running)}  # admission order
+        running, queue, kept = self.running, list(self.running), []
+        while queue:
+            seq = queue.pop(0)
+            if seq.seq_id in self._stale:  # its cached KV may be overwritten: recompute it (and its group)
+                self._preempt_group(seq, queue, kept, out)
+                continue
+            if self.enable_chunked_prefill and seq.is_prefilling:  # blocks allocated at admission
+                continue
+            if self.policy == "paged":
+                while bm.block_table(seq.seq_id).num_new_blocks(1) > bm.num_free_blocks:
+                    victim = queue[-1] if queue else seq  # the most recently admitted one
+                    self._preempt_group(victim, queue, kept, out)
+                    if seq.status is SequenceStatus.WAITING:
+                        break
+                if seq.status is SequenceStatus.WAITING:
+                    continue
+                bm.append(seq.seq_id, 1)
+            kept.append(seq)
+            out.decodes.append(seq)
+        self.running = [s for s in running if s.status is SequenceStatus.RUNNING]  # kept + prefilling
+        # preempted ones go back to the head of the queue, in admission order (groups stay together)
+        for seq in sorted(out.preempted, key=lambda s: order[id(s)], reverse=True):
+            self.waiting.appendleft(seq)
+
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.block_manager.free(seq.seq_id)
         self._stale.discard(seq.seq_id)
@@ -269,6 +309,35 @@ class Scheduler:
                 kept.remove(seq)
                 out.decodes.remove(seq)
             self._preempt(seq, out)
+
+    def _schedule_admissions(self, out: SchedulerOutput) -> None:
+        """Admit waiting requests (FCFS) while they fit; not after a preemption (it would thrash). With
+        chunked prefill, first the running prefills, then the admitted ones take what the token budget
+        has left, a chunk each."""
+        bm, chunked = self.block_manager, self.enable_chunked_prefill
+        budget = self.max_num_batched_tokens - len(out.decodes)
+        if chunked:
+            running_prefills = [s for s in self.running if s.is_prefilling]
+            budget = chunked_prefill.schedule_chunks(running_prefills, budget, out)
+        while self.waiting and not out.preempted:
+            head = self.waiting[0]
+            group = [s for s in head.group if s.status is SequenceStatus.WAITING]
+            assert list(islice(self.waiting, len(group))) == group, "a group waits together"
+            if len(self.running) + len(group) > self.max_num_seqs:
+                break
+            hits, shares, need, tokens = self._plan_admission(group)
+            if (budget < 1) if chunked else (out.prefills and tokens > budget):
+                break
+            if bm.num_free_blocks - need < bm.watermark_blocks:
+                break
+            if not chunked:
+                self._admit(group, hits, shares, out)
+                budget -= tokens
+                continue
+            num_prefills, num_forked = len(out.prefills), len(out.forked)
+            self._admit(group, hits, shares, out)
+            del out.prefills[num_prefills:], out.forked[num_forked:]  # the chunks decide what runs
+            budget = chunked_prefill.schedule_chunks(group, budget, out)
 
     def _plan_admission(self, group: list[Sequence]) -> tuple[list, list, int, int]:
         """How the waiting `group` would start: prefix-cache hits of its first sample, and for each other
@@ -327,109 +396,10 @@ class Scheduler:
             seq.prefill_target, seq.prefill_parent = seq.num_tokens, parents.get(id(seq))
             self.running.append(seq)
 
-    def schedule(self) -> SchedulerOutput:
-        """Pick this step's batch, allocating or reserving the slots its new tokens go to."""
-        out = SchedulerOutput()
-        bm = self.block_manager
-        order = {id(s): i for i, s in enumerate(self.running)}  # admission order
-        # 1) every running sequence decodes one token (the one it sampled last step), oldest first;
-        # with chunked prefill, those still prefilling get their next chunk in 2)
-        running, queue, kept = self.running, list(self.running), []
-        while queue:
-            seq = queue.pop(0)
-            if seq.seq_id in self._stale:  # its cached KV may be overwritten: recompute it (and its group)
-                self._preempt_group(seq, queue, kept, out)
-                continue
-            if self.enable_chunked_prefill and seq.is_prefilling:  # blocks allocated at admission
-                continue
-            if self.policy == "paged":
-                while bm.block_table(seq.seq_id).num_new_blocks(1) > bm.num_free_blocks:
-                    victim = queue[-1] if queue else seq  # the most recently admitted one
-                    self._preempt_group(victim, queue, kept, out)
-                    if seq.status is SequenceStatus.WAITING:
-                        break
-                if seq.status is SequenceStatus.WAITING:
-                    continue
-                bm.append(seq.seq_id, 1)
-            kept.append(seq)
-            out.decodes.append(seq)
-        self.running = [s for s in running if s.status is SequenceStatus.RUNNING]  # kept + prefilling
-        # preempted ones go back to the head of the queue, in admission order (groups stay together)
-        for seq in sorted(out.preempted, key=lambda s: order[id(s)], reverse=True):
-            self.waiting.appendleft(seq)
-
-        # 2) admit waiting requests (FCFS) while they fit; not after a preemption (it would thrash).
-        # With chunked prefill, first the running prefills, then the admitted ones take what the token
-        # budget has left, a chunk each
-        budget = self.max_num_batched_tokens - len(out.decodes)
-        chunked = self.enable_chunked_prefill
-        if chunked:
-            budget = self._schedule_chunks([s for s in self.running if s.is_prefilling], budget, out)
-        while self.waiting and not out.preempted:
-            head = self.waiting[0]
-            group = [s for s in head.group if s.status is SequenceStatus.WAITING]
-            assert list(islice(self.waiting, len(group))) == group, "a group waits together"
-            if len(self.running) + len(group) > self.max_num_seqs:
-                break
-            hits, shares, need, tokens = self._plan_admission(group)
-            if (budget < 1) if chunked else (out.prefills and tokens > budget):
-                break
-            if bm.num_free_blocks - need < bm.watermark_blocks:
-                break
-            if not chunked:
-                self._admit(group, hits, shares, out)
-                budget -= tokens
-                continue
-            num_prefills, num_forked = len(out.prefills), len(out.forked)
-            self._admit(group, hits, shares, out)
-            del out.prefills[num_prefills:], out.forked[num_forked:]  # the chunks decide what runs
-            budget = self._schedule_chunks(group, budget, out)
-
-        # 3) the slots of this step's new tokens: the uncomputed tokens of prefills, the last of decodes
-        for seq in out.prefills:
-            end = out.prefill_end(seq)
-            out.slot_mapping += bm.slot_mapping(seq.seq_id, seq.num_computed_tokens, end)
-            out.num_prefill_tokens += end - seq.num_computed_tokens
-        for seq in out.decodes:
-            out.slot_mapping += bm.slot_mapping(seq.seq_id, seq.num_tokens - 1, seq.num_tokens)
-        return out
-
-    def _schedule_chunks(self, seqs: list[Sequence], budget: int, out: SchedulerOutput) -> int:
-        """Chunked prefill: give each of `seqs` (admitted, still prefilling, oldest first) its next chunk
-        while `budget` tokens last; returns what is left. A sample that forks its first sample (same
-        tokens) computes nothing: it samples from the first's logits in the step its prefill completes.
-        One that shares the first's blocks reads them only once they are computed: the first comes
-        before it, and a chunk goes to a later sequence only when the earlier ones got all they need
-        (this step counts: a forward writes every K/V of a layer before any attention reads it)."""
-        for seq in seqs:
-            parent = seq.prefill_parent
-            parent_end = (
-                None if parent is None else out.chunk_ends.get(parent.seq_id, parent.num_computed_tokens)
-            )
-            if parent is not None and seq.token_ids == parent.token_ids:
-                if parent_end == parent.num_tokens and any(p is parent for p in out.prefills):
-                    out.forked.append((seq, parent))
-                continue
-            if budget < 1:
-                continue  # forks of a parent scheduled above still join
-            assert parent_end is None or parent_end >= seq.num_computed_tokens, "shared blocks computed"
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            out.prefills.append(seq)
-            out.chunk_ends[seq.seq_id] = seq.num_computed_tokens + n
-            budget -= n
-        return budget
-
     def unreached_slots(self, out: SchedulerOutput) -> int:
         """Chunked prefill: slots allocated for prompt tokens that no chunk has reached by the end of
         this step (a forked sample's are its first sample's)."""
-        if not self.enable_chunked_prefill:
-            return 0
-        return sum(
-            s.prefill_target - out.chunk_ends.get(s.seq_id, s.num_computed_tokens)
-            for s in self.running
-            if s.is_prefilling
-            and not (s.prefill_parent is not None and s.token_ids == s.prefill_parent.token_ids)
-        )
+        return chunked_prefill.unreached_slots(self.running, out) if self.enable_chunked_prefill else 0
 
     def mark_computed(self, seq: Sequence, end: int | None = None) -> None:
         """After a step committed: `seq`'s tokens up to `end` (default: all it holds in the cache) are
@@ -442,26 +412,7 @@ class Scheduler:
             self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.block_hashes, start, end)
 
     def usage(self) -> dict:
-        """KV memory right now: slots holding real tokens vs allocated (reserved) vs in the pool, and
-        what sharing saves (see StepStats).
-
-        O(sequences), for every step: BlockManager.utilization walks every block (it counts shared blocks
-        once; 7 ms a step at 16k blocks), and counts a static reservation as tokens. Only when blocks
-        are shared does it walk the tables, to count shared blocks and their tokens once."""
-        bm = self.block_manager
-        # a running sequence holds num_tokens - 1 tokens between steps, num_tokens during its forward
-        num_tokens, shared = sum(s.num_tokens for s in self.running), 0
-        used = bm.num_blocks - bm.num_free_blocks
-        logical = sum(bm.block_table(s.seq_id).num_blocks for s in self.running)
-        if logical > used - bm.num_pinned_blocks:  # some physical block has several owners
-            num_tokens, shared = bm.utilization()["num_tokens"], bm.sharing()["shared_blocks"]
-        return {
-            "num_tokens": num_tokens,
-            "allocated_slots": used * self.block_size,
-            "pool_slots": bm.num_blocks * self.block_size,
-            "used_blocks": used,
-            "free_blocks": bm.num_free_blocks,
-            "logical_blocks": logical,
-            "shared_blocks": shared,
-            "cached_blocks": bm.num_cached_free_blocks,
-        }
+        """KV memory right now (`BlockManager.usage`): slots holding real tokens vs allocated (reserved)
+        vs in the pool, and what sharing saves (see StepStats). A running sequence holds num_tokens - 1
+        tokens between steps, num_tokens during its forward."""
+        return self.block_manager.usage(sum(s.num_tokens for s in self.running))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 
-from vllmini.block_table import BlockManager
+from vllmini.block_manager import BlockManager
 from vllmini.checks import as_int
 from vllmini.errors import InvalidArgumentError
 from vllmini.viz.style import plural

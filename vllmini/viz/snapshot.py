@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vllmini.allocator import BlockAllocator
-from vllmini.block_table import BlockManager, BlockTable, block_fill, pool_utilization
+from vllmini.block_manager import BlockManager
+from vllmini.block_table import BlockTable, block_fill, pool_utilization
 from vllmini.checks import as_index, as_pair
 from vllmini.errors import InvalidArgumentError, InvalidTypeError
 

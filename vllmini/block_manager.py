@@ -1,0 +1,339 @@
+"""Every sequence's page table over one shared block pool: admission, growth, sharing, undo.
+
+A `BlockManager` keeps one `BlockTable` per sequence over a shared `BlockAllocator`, answers "does this
+request fit?", and builds the padded `block_tables` / `seq_lens` tensors that paged attention reads
+(vLLM's names; older vLLM called `seq_lens` `context_lens`). vLLM 0.x had this layer in
+`vllm/core/block_manager.py`.
+
+Forked sequences share blocks (reference counts), and a table writing into a shared, partly filled last
+block first copies it (copy-on-write; `BlockTable.append_tokens` records (src_block, dst_block) in its
+`pending_copies` for the KV-cache owner). A pending copy follows its blocks' lifetimes: freeing the
+sequence that owns dst drops it, and `BlockManager.free` keeps a src block out of the pool (pinned) until
+`take_pending_copies()` hands the copy out.
+
+With `enable_prefix_caching`, the manager also owns a `PrefixCache`: a new sequence can start on shared
+blocks (`allocate(..., shared=blocks)`, e.g. its longest cached prefix), full computed blocks are named
+by their hash (`cache_full_blocks`), and a named block whose last owner leaves stays cached until a block
+is needed and none is plainly free: then the least recently used one is evicted. Cached blocks nobody
+holds count as free (`num_free_blocks`), and separately as `num_cached_free_blocks`.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Hashable, Iterable
+from typing import TYPE_CHECKING
+
+from vllmini.allocator import BlockAllocator
+from vllmini.block_table import BlockTable, pool_utilization
+from vllmini.checks import as_int, cdiv
+from vllmini.errors import InvalidArgumentError, OutOfBlocksError, VllminiError
+from vllmini.prefix_cache import PrefixCache, extend_hashes
+
+if TYPE_CHECKING:
+    import torch
+
+
+class BlockManager:
+    """Page tables for many sequences over one shared block pool."""
+
+    def __init__(
+        self, num_blocks: int, block_size: int, watermark_blocks: int = 0, enable_prefix_caching: bool = False
+    ):
+        self.allocator = BlockAllocator(num_blocks)
+        self.block_size = as_int(block_size, "block_size", min=1)
+        # new sequences must leave this many blocks free, so running sequences can still grow
+        self.watermark_blocks = as_int(watermark_blocks, "watermark_blocks", min=0, max=self.num_blocks - 1)
+        self._tables: dict[Hashable, BlockTable] = {}
+        self._pinned: set[int] = set()  # freed blocks kept alive as the source of a pending copy
+        if not isinstance(enable_prefix_caching, bool):
+            raise InvalidArgumentError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
+        self.prefix_cache = PrefixCache(block_size) if enable_prefix_caching else None
+
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks a new token can get: plainly free ones plus cached ones nobody holds (evicted on demand)."""
+        return self.allocator.num_free_blocks + self.num_cached_free_blocks
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks that still hold a cached prefix (a subset of num_free_blocks)."""
+        return len(self.prefix_cache.evictable) if self.prefix_cache is not None else 0
+
+    @property
+    def seq_ids(self) -> list:
+        return list(self._tables)
+
+    def __contains__(self, seq_id) -> bool:
+        return seq_id in self._tables
+
+    def __len__(self) -> int:
+        return len(self._tables)
+
+    def block_table(self, seq_id) -> BlockTable:
+        """The live page table of `seq_id`."""
+        try:
+            return self._tables[seq_id]
+        except (KeyError, TypeError):
+            raise VllminiError(f"unknown seq_id {seq_id!r}; known: {self.seq_ids}") from None
+
+    def seq_len(self, seq_id) -> int:
+        return self.block_table(seq_id).num_tokens
+
+    def slot_mapping(self, seq_id, start: int = 0, end: int | None = None) -> list[int]:
+        return self.block_table(seq_id).slot_mapping(start, end)
+
+    # ----------------------------------------------------------------------------------------------
+    # admission and growth
+
+    def _check_shared(self, num_tokens: int, shared) -> list[int]:
+        shared = [self.allocator.check_allocated(b, "share") for b in shared]
+        if len(set(shared)) != len(shared):
+            raise InvalidArgumentError(f"shared blocks must be distinct, got {shared}")
+        if len(shared) * self.block_size > num_tokens:
+            raise InvalidArgumentError(
+                f"{len(shared)} shared blocks hold {len(shared) * self.block_size} tokens, more than the "
+                f"sequence's num_tokens={num_tokens}: only whole blocks of its prefix can be shared"
+            )
+        return shared
+
+    def blocks_needed(self, num_tokens: int, shared=()) -> int:
+        """Free blocks a new sequence of `num_tokens` takes when it starts on the full blocks `shared`:
+        its own blocks, plus the shared ones that are cached but free now (they stop being free)."""
+        shared = self._check_shared(as_int(num_tokens, "num_tokens", min=0), shared)
+        cache = self.prefix_cache
+        taken = sum(b in cache.evictable for b in shared) if cache is not None else 0
+        return cdiv(num_tokens, self.block_size) - len(shared) + taken
+
+    def can_allocate(self, num_tokens: int, shared=()) -> bool:
+        """Does a new sequence of `num_tokens` tokens fit, leaving `watermark_blocks` free?"""
+        return self.num_free_blocks - self.blocks_needed(num_tokens, shared) >= self.watermark_blocks
+
+    def _make_room(self, num_blocks: int) -> None:
+        """Evict cached blocks nobody holds (least recently used first) until `num_blocks` are free."""
+        while self.allocator.num_free_blocks < num_blocks and self.num_cached_free_blocks:
+            self.allocator.free(self.prefix_cache.evict())
+
+    def allocate(self, seq_id: Hashable, num_tokens: int, shared=()) -> list[int]:
+        """Start a sequence holding `num_tokens` tokens; returns their slots. `shared`: physical blocks
+        that already hold its first len(shared) * block_size tokens (a cached prefix, or a sibling's
+        blocks); it shares them (reference counts) and gets its own blocks for the rest."""
+        if seq_id in self._tables:
+            raise VllminiError(f"seq_id {seq_id!r} already exists")
+        if not self.can_allocate(num_tokens, shared):
+            needed = self.blocks_needed(num_tokens, shared)
+            raise OutOfBlocksError(
+                f"seq {seq_id!r} with {num_tokens} tokens needs {needed} blocks; {self.num_free_blocks} "
+                f"are free and {self.watermark_blocks} must stay free (watermark)"
+            )
+        shared = self._check_shared(num_tokens, shared)
+        for block_id in shared:
+            if self.prefix_cache is not None and block_id in self.prefix_cache.evictable:
+                self.prefix_cache.reuse(block_id)  # the cache's reference becomes the sequence's
+            else:
+                self.allocator.incref(block_id)
+        table = BlockTable(self.allocator, self.block_size)
+        table._block_ids, table._num_tokens = list(shared), len(shared) * self.block_size
+        self._make_room(table.num_new_blocks(num_tokens - table.num_tokens))
+        table.append_tokens(num_tokens - table.num_tokens)
+        self._tables[seq_id] = table
+        return table.slot_mapping()
+
+    def can_append(self, seq_id, num_tokens: int = 1) -> bool:
+        """Can `seq_id` grow by `num_tokens`? (The watermark does not apply to running sequences.)"""
+        return self.block_table(seq_id).num_new_blocks(num_tokens) <= self.num_free_blocks
+
+    def append(self, seq_id, num_tokens: int = 1) -> list[int]:
+        """Grow `seq_id` by `num_tokens` tokens; returns the new tokens' slots."""
+        table = self.block_table(seq_id)
+        needed = table.num_new_blocks(num_tokens)
+        if needed > self.num_free_blocks:  # checked before evicting: a failed append keeps the cache
+            raise OutOfBlocksError(
+                f"seq {seq_id!r} needs {needed} new blocks to grow by {num_tokens} tokens, but only "
+                f"{self.num_free_blocks} are free ({self.num_cached_free_blocks} of them cached)"
+            )
+        self._make_room(needed)
+        return table.append_tokens(num_tokens)
+
+    # ----------------------------------------------------------------------------------------------
+    # prefix caching
+
+    def cached_prefix(self, token_ids: list[int], hashes: list[bytes]) -> list[int]:
+        """The cached blocks a new sequence of `token_ids` can start on (none without prefix caching).
+        At most (len - 1) // block_size blocks: its last token is always computed, for its logits.
+        `hashes` is the sequence's hash chain, extended in place."""
+        if self.prefix_cache is None:
+            return []
+        num_blocks = (len(token_ids) - 1) // self.block_size
+        return self.prefix_cache.lookup(
+            extend_hashes(hashes, token_ids, num_blocks, self.block_size)[:num_blocks], token_ids
+        )
+
+    def cache_full_blocks(
+        self, seq_id, token_ids: list[int], hashes: list[bytes], start: int, end: int
+    ) -> int:
+        """Name the blocks of `seq_id` that tokens [start, end) (all computed, committed) completed, by their
+        hash chain (`hashes` is extended in place). Returns how many new cache entries were made."""
+        if self.prefix_cache is None:
+            return 0
+        table, bs = self.block_table(seq_id), self.block_size
+        start, end = as_int(start, "start", min=0), as_int(end, "end", min=0)
+        first, last = start // bs, min(end, table.num_tokens) // bs  # blocks that became full
+        extend_hashes(hashes, token_ids, last, bs)
+        made = 0
+        for i in range(first, last):
+            parent = hashes[i - 1] if i else None
+            made += self.prefix_cache.register(
+                table._block_ids[i], hashes[i], parent, token_ids[i * bs : (i + 1) * bs]
+            )
+        return made
+
+    def _release(self, block_id: int) -> bool:
+        """Keep a cached block whose last owner leaves (as evictable) instead of freeing it."""
+        cache = self.prefix_cache
+        if cache is None or not cache.is_cached(block_id) or self.allocator.ref_count(block_id) != 1:
+            return False
+        cache.release(block_id)
+        return True
+
+    def fork(self, parent_id, child_id: Hashable) -> None:
+        """Start `child_id` as a copy of `parent_id` that shares all its blocks (e.g. parallel sampling)."""
+        parent = self.block_table(parent_id)
+        if child_id in self._tables:
+            raise VllminiError(f"seq_id {child_id!r} already exists")
+        self._tables[child_id] = parent.fork()
+
+    def free(self, seq_id) -> None:
+        """Finish `seq_id`: its blocks go back to the pool (shared ones once their last owner leaves).
+
+        A block that another sequence still has to copy from (a pending copy-on-write) stays pinned
+        until `take_pending_copies()`, so no new owner can overwrite it before the copy is made."""
+        table = self.block_table(seq_id)
+        del self._tables[seq_id]
+        needed = {src for t in self._tables.values() for src, _ in t.pending_copies}
+        for block_id in needed.intersection(table.block_ids) - self._pinned:
+            self.allocator.incref(block_id)
+            self._pinned.add(block_id)
+        table.free(self._release)  # drops its own pending copies too: their destination blocks are gone
+        for block_id in self._pinned - needed:  # sources nobody has to copy from any more
+            self._pinned.discard(block_id)
+            self.allocator.free(block_id)
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """Collect and clear every sequence's copy-on-write jobs, as (src_block, dst_block) pairs.
+
+        Copy them before allocating again: sources pinned for them go back to the pool now."""
+        pairs = []
+        for table in self._tables.values():
+            pairs.extend(table.pending_copies)
+            table.pending_copies = []
+        for block_id in sorted(self._pinned):
+            self.allocator.free(block_id)
+        self._pinned.clear()
+        return pairs
+
+    # ----------------------------------------------------------------------------------------------
+    # undo
+
+    def snapshot(self) -> tuple:
+        """The whole state (allocator, tables, pins), for `restore`: undoes a batch of changes that
+        failed halfway, e.g. a scheduler step whose forward raised. Costs O(num_blocks)."""
+        allocator = {k: copy.copy(v) for k, v in vars(self.allocator).items()}  # free list, ref counts
+        tables = {s: (t, t.block_ids, t.num_tokens, list(t.pending_copies)) for s, t in self._tables.items()}
+        cache = self.prefix_cache.snapshot() if self.prefix_cache is not None else None
+        return allocator, tables, set(self._pinned), cache
+
+    def restore(self, snapshot: tuple) -> None:
+        """Put back the state `snapshot()` saved (the same table objects); the snapshot stays reusable."""
+        allocator, tables, pinned, cache = snapshot
+        vars(self.allocator).update({k: copy.copy(v) for k, v in allocator.items()})
+        self._tables = {}
+        for seq_id, (table, block_ids, num_tokens, pending) in tables.items():
+            table._block_ids, table._num_tokens = list(block_ids), num_tokens
+            table.pending_copies = list(pending)
+            self._tables[seq_id] = table
+        self._pinned = set(pinned)
+        if cache is not None:  # blocks evicted since the snapshot lose their names; free ones go back
+            for block_id in self.prefix_cache.restore(cache):
+                self.allocator.free(block_id)
+
+    # ----------------------------------------------------------------------------------------------
+    # what attention reads
+
+    def build_block_tables(
+        self, seq_ids: Iterable, device: torch.device | str | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The padded page tables and lengths of `seq_ids`, as paged attention consumes them.
+
+        block_tables: int32 [num_seqs, max_num_blocks_per_seq], -1 past each sequence's last block
+        seq_lens:     int32 [num_seqs]
+        """
+        import torch
+
+        tables = [self.block_table(s) for s in seq_ids]
+        width = max((t.num_blocks for t in tables), default=0)
+        rows = [t.block_ids + [-1] * (width - t.num_blocks) for t in tables]
+        block_tables = torch.tensor(rows, dtype=torch.int32, device=device).reshape(len(tables), width)
+        seq_lens = torch.tensor([t.num_tokens for t in tables], dtype=torch.int32, device=device)  # (S,)
+        return block_tables, seq_lens
+
+    def utilization(self) -> dict:
+        """How well the pool is used (`pool_utilization`). used_blocks are held by sequences (or pinned
+        for a copy); free_blocks include the cached ones nobody holds."""
+        tables = ((t.block_ids, t.num_tokens) for t in self._tables.values())
+        used = self.allocator.num_used_blocks - self.num_cached_free_blocks
+        return pool_utilization(tables, self.block_size, self.num_blocks, used)
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        """Freed blocks kept alive only as the source of a copy not yet taken (`take_pending_copies`)."""
+        return len(self._pinned)
+
+    def sharing(self) -> dict:
+        """What sharing saves right now.
+
+        logical_blocks: blocks the sequences would hold without sharing (the sum of their tables);
+        shared_blocks:  physical blocks held by more than one sequence;
+        cached_blocks:  free blocks that still hold a cached prefix (evicted only on demand).
+        """
+        owners: dict[int, int] = {}  # physical block -> sequences holding it
+        for table in self._tables.values():
+            for block_id in table._block_ids:
+                owners[block_id] = owners.get(block_id, 0) + 1
+        return {
+            "logical_blocks": sum(owners.values()),
+            "shared_blocks": sum(k > 1 for k in owners.values()),
+            "cached_blocks": self.num_cached_free_blocks,
+        }
+
+    def usage(self, num_tokens: int) -> dict:
+        """`utilization()` and `sharing()` in one dict, cheap enough for every step (see StepStats).
+
+        O(sequences), where `utilization` walks every block (it counts shared blocks once; 7 ms a step at
+        16k blocks) and counts a static reservation as tokens. `num_tokens` is what the sequences hold as
+        the caller counts them; only when blocks are shared are the tables walked, to count shared blocks
+        and their tokens once."""
+        used = self.num_blocks - self.num_free_blocks
+        logical, shared = sum(t.num_blocks for t in self._tables.values()), 0
+        if logical > used - self.num_pinned_blocks:  # some physical block has several owners
+            num_tokens, shared = self.utilization()["num_tokens"], self.sharing()["shared_blocks"]
+        return {
+            "num_tokens": num_tokens,
+            "allocated_slots": used * self.block_size,
+            "pool_slots": self.num_blocks * self.block_size,
+            "used_blocks": used,
+            "free_blocks": self.num_free_blocks,
+            "logical_blocks": logical,
+            "shared_blocks": shared,
+            "cached_blocks": self.num_cached_free_blocks,
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockManager(num_blocks={self.num_blocks}, block_size={self.block_size}, "
+            f"num_seqs={len(self._tables)}, num_free_blocks={self.num_free_blocks})"
+        )
