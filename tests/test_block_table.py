@@ -101,6 +101,17 @@ def test_block_ids_is_a_copy():
     assert t.block_ids == [0, 1]
 
 
+def test_adopt_takes_blocks_whose_count_fits_the_tokens():
+    alloc = BlockAllocator(8)
+    t = BlockTable(alloc, block_size=4)
+    ids = [alloc.allocate() for _ in range(2)]
+    t.adopt(ids, 7)
+    assert t.block_ids == ids and t.num_tokens == 7 and t.slot(6) == ids[1] * 4 + 2
+    with pytest.raises(InvalidIndexError, match="9 tokens need 3 blocks of 4, got 2"):
+        t.adopt(ids, 9)
+    assert t.block_ids == ids and t.num_tokens == 7  # unchanged
+
+
 @pytest.mark.parametrize("i", [-1, 5, 100])
 def test_slot_out_of_range_raises_index_error(i):
     t = BlockTable(BlockAllocator(4), 4)

@@ -137,7 +137,7 @@ class BlockManager:
             else:
                 self.allocator.incref(block_id)
         table = BlockTable(self.allocator, self.block_size)
-        table._block_ids, table._num_tokens = list(shared), len(shared) * self.block_size
+        table.adopt(shared, len(shared) * self.block_size)
         self._make_room(table.num_new_blocks(num_tokens - table.num_tokens))
         table.append_tokens(num_tokens - table.num_tokens)
         self._tables[seq_id] = table
@@ -184,11 +184,11 @@ class BlockManager:
         start, end = as_int(start, "start", min=0), as_int(end, "end", min=0)
         first, last = start // bs, min(end, table.num_tokens) // bs  # blocks that became full
         extend_hashes(hashes, token_ids, last, bs)
-        made = 0
+        made, block_ids = 0, table.block_ids
         for i in range(first, last):
             parent = hashes[i - 1] if i else None
             made += self.prefix_cache.register(
-                table._block_ids[i], hashes[i], parent, token_ids[i * bs : (i + 1) * bs]
+                block_ids[i], hashes[i], parent, token_ids[i * bs : (i + 1) * bs]
             )
         return made
 
@@ -253,7 +253,7 @@ class BlockManager:
         vars(self.allocator).update({k: copy.copy(v) for k, v in allocator.items()})
         self._tables = {}
         for seq_id, (table, block_ids, num_tokens, pending) in tables.items():
-            table._block_ids, table._num_tokens = list(block_ids), num_tokens
+            table.adopt(block_ids, num_tokens)
             table.pending_copies = list(pending)
             self._tables[seq_id] = table
         self._pinned = set(pinned)
@@ -302,7 +302,7 @@ class BlockManager:
         """
         owners: dict[int, int] = {}  # physical block -> sequences holding it
         for table in self._tables.values():
-            for block_id in table._block_ids:
+            for block_id in table.block_ids:
                 owners[block_id] = owners.get(block_id, 0) + 1
         return {
             "logical_blocks": sum(owners.values()),

@@ -71,6 +71,18 @@ class BlockTable:
         """A copy of the table: element i is the physical block of logical block i."""
         return list(self._block_ids)
 
+    def adopt(self, block_ids: Sequence[int], num_tokens: int) -> None:
+        """Make the table hold `block_ids` (references the caller already took) with `num_tokens` tokens:
+        a prefix-cache hit starts a table on shared blocks, and an undone step puts a table back."""
+        block_ids = [int(b) for b in block_ids]
+        num_tokens = as_int(num_tokens, "num_tokens", min=0)
+        if cdiv(num_tokens, self.block_size) != len(block_ids):
+            raise InvalidIndexError(
+                f"{num_tokens} tokens need {cdiv(num_tokens, self.block_size)} blocks of {self.block_size}, "
+                f"got {len(block_ids)} block ids"
+            )
+        self._block_ids, self._num_tokens = block_ids, num_tokens
+
     @property
     def num_tokens(self) -> int:
         return self._num_tokens
