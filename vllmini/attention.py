@@ -19,7 +19,8 @@ seq_lens -- values that live on the device -- are checked in one of three ways (
 The "torch" backend is the naive one: gather the pages into a contiguous tensor, then
 `scaled_dot_product_attention` (float32 softmax for half types) with the padding masked. "cupy" (a
 CUDA kernel on a GPU) and "emulator" (the same CUDA source on the CPU) live in `vllmini.cuda_kernels`
-and are imported only when asked for; `kernel_version=` picks one of its kernels (None: the best one).
+and are imported only when asked for; `kernel_version=` picks one of the kernel versions of
+`vllmini.kernel_registry` (None: the best one).
 "auto" picks "cupy" for CUDA tensors of a dtype the kernels take (KERNEL_DTYPES) when CuPy works, else
 "torch"; never the emulator.
 
@@ -58,6 +59,7 @@ from vllmini.attention_checks import (  # noqa: F401 (re-exported: every name im
 )
 from vllmini.checks import cdiv
 from vllmini.errors import InvalidArgumentError
+from vllmini.kernel_registry import resolve_kernel_version
 from vllmini.kv_cache import check_slot_mapping
 
 BACKENDS = ("auto", "torch", "cupy", "emulator")
@@ -195,8 +197,7 @@ def guarded_by_default(backend: str, device: torch.device, dtype: torch.dtype) -
     and calls check_kernel_errors() once per step instead."""
     if resolve_backend(backend, device, dtype) != "cupy":
         return False
-    cuda_kernels = importlib.import_module("vllmini.cuda_kernels")
-    return cuda_kernels.resolve_kernel_version(None, dtype).guard
+    return resolve_kernel_version(None, dtype).guard
 
 
 def paged_attention(
@@ -217,7 +218,7 @@ def paged_attention(
     validate: how block_tables and seq_lens are checked (module doc): None (default) = "host" on the CPU,
     "guard" on CUDA when the kernel has one (no host sync: errors surface at check_kernel_errors());
     True = "host" (one sync on CUDA), False = "trust", or "guard". kernel_version (backends "cupy" and
-    "emulator"): a number or name from vllmini.cuda_kernels.kernel_versions(); None = the best one."""
+    "emulator"): a number or name from vllmini.kernel_registry.kernel_versions(); None = the best one."""
     _check_backend_name(backend)
     args, _ = _validate_decode(
         query, key_cache, value_cache, block_tables, seq_lens, scale, check_tables=False
@@ -225,8 +226,7 @@ def paged_attention(
     backend = resolve_backend(backend, args.query.device, args.query.dtype)
     version = None
     if backend in ("cupy", "emulator"):
-        cuda_kernels = importlib.import_module("vllmini.cuda_kernels")  # lazy: only kernel users pay for it
-        version = cuda_kernels.resolve_kernel_version(kernel_version, args.query.dtype)
+        version = resolve_kernel_version(kernel_version, args.query.dtype)
     elif kernel_version is not None:
         raise InvalidArgumentError(
             f"kernel_version applies to backends 'cupy' and 'emulator', not {backend!r}; "
@@ -245,6 +245,7 @@ def paged_attention(
         return _decode_torch(args, int(lens.min()) if lens is not None else 0)  # 0: mask, lengths unknown
     out = torch.empty_like(args.query)
     error = kernel_error_buffer(args.query.device) if mode == "guard" else None
+    cuda_kernels = importlib.import_module("vllmini.cuda_kernels")  # lazy: only kernel users pay for it
     cuda_kernels.paged_attention_kernel(
         args.query, args.key_cache, args.value_cache, args.block_tables, args.seq_lens, args.scale, out,
         runtime=backend, version=version, error=error, _validated=True,

@@ -1,22 +1,17 @@
-"""The CUDA kernels of kernels/*.cu: find their source, compile it, and launch it on torch tensors.
+"""Compile and launch the CUDA kernels of kernels/*.cu on torch tensors.
 
-The .cu files are plain text that this module reads; nothing is copied into Python strings. Two runtimes
-run the same source:
+Which kernels exist -- the .cu files, the paged-attention versions, the choice of the best one -- is
+`vllmini.kernel_registry`; every name there is importable from here too. Two runtimes run the same source:
     "cupy"      NVRTC-compiled through cupy.RawModule (once per device), launched on torch's current
                 stream with raw device pointers (no cupy.asarray per argument: ~6 us instead of ~29 us).
     "emulator"  vllmini.emulator.RawKernel: the unmodified source compiled for the CPU (tests, CI, laptops).
 compile_for_arch() compiles a source for a given GPU architecture with CuPy's low-level NVRTC binding; it
 needs neither a GPU nor a driver (only the nvidia-cuda-nvrtc wheel), which is how CI checks every kernel.
 
-Kernel versions: kernels/paged_attention_<n>_<what it adds>.cu, one file per idea (VERSIONS; a version
-whose file is missing is simply absent from kernel_versions()). `paged_attention_kernel` launches any of
-them the same way on either runtime. The rule for backend="cupy" (and "emulator") when no version is
-asked for: the highest-numbered version present that has an entry point for the dtype -- today version
-5 for float32, float16 and bfloat16 alike, since it is at or near the read ceiling on every shape
-measured (benchmarks/RESULTS.md). Version 5 then chooses its own work split (launch_plan): one block per
-group of query heads sharing a KV head (GQA), and a context split when the batch gives fewer than
-SPLIT_TARGET_BLOCKS_PER_SM blocks per SM. `vllmini.paged_attention(..., kernel_version=n)` selects
-another version for teaching and benchmarking.
+`paged_attention_kernel` launches any kernel version the same way on either runtime; with no version
+asked for it runs resolve_kernel_version's best (today version 5 for every dtype). Version 5 then
+chooses its own work split (launch_plan): one block per group of query heads sharing a KV head (GQA),
+and a context split when the batch gives fewer than SPLIT_TARGET_BLOCKS_PER_SM blocks per SM.
 
 Callers normally go through vllmini.paged_attention(..., backend="cupy"|"emulator"), which validates the
 inputs first; the launchers here assume validated, contiguous inputs.
@@ -24,16 +19,23 @@ inputs first; the launchers here assume validated, contiguous inputs.
 
 from __future__ import annotations
 
-import functools
 import warnings
-from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from vllmini.checks import as_int, one_of
+from vllmini.checks import one_of
 from vllmini.errors import InvalidArgumentError, InvalidTypeError, KernelBuildError
+from vllmini.kernel_registry import (  # noqa: F401 (re-exported: every name importable from here)
+    DTYPE_SUFFIX,
+    VERSIONS,
+    KernelVersion,
+    kernel_dir,
+    kernel_files,
+    kernel_versions,
+    read_kernel_source,
+    resolve_kernel_version,
+)
 from vllmini.launch_plan import (  # noqa: F401 (re-exported: every name importable from here)
     EMULATOR_SMS,
     MERGE_THREADS,
@@ -53,127 +55,11 @@ MAX_HEAD_SIZE = 256  # versions 2-5: head_size / 32 floats per lane in registers
 MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
 DEFAULT_SHARED_BYTES = 48 * 1024  # dynamic shared memory a block gets without opting in
 MAX_SHARED_BYTES = 232448  # the most an H100/H200 block may opt into (227 KiB); less on older GPUs
-DTYPE_SUFFIX = {torch.float32: "", torch.float16: "_f16", torch.bfloat16: "_bf16"}  # entry point suffixes
-
-
-@dataclass(frozen=True)
-class KernelVersion:
-    """One paged-attention kernel: kernels/paged_attention_<number>_<name>.cu and how to launch it."""
-
-    number: int
-    name: str  # what the version adds, e.g. "half_warps"
-    dtypes: tuple[torch.dtype, ...]  # element types it has entry points for
-    threads: int  # threads per block
-    guard: bool  # checks page ids in the kernel (the error buffer of vllmini.attention)
-    summary: str  # one line: what it adds
-
-    @property
-    def file(self) -> str:
-        """The file stem, also the float32 entry point's name."""
-        return f"paged_attention_{self.number}_{self.name}"
-
-    def function(self, dtype: torch.dtype) -> str:
-        """The entry point for an element type: the stem, then _f16 / _bf16 for 16-bit types."""
-        return self.file + DTYPE_SUFFIX[dtype]
-
-    def available(self) -> bool:
-        """True when its .cu file is present (a version whose file is missing is simply absent)."""
-        try:
-            return (kernel_dir() / f"{self.file}.cu").is_file()
-        except FileNotFoundError:
-            return False
-
-
-_ALL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# every version the course has, in order; kernel_versions() keeps those whose file is present
-VERSIONS: tuple[KernelVersion, ...] = (
-    KernelVersion(
-        1, "plain", (torch.float32,), 128, False, "scores in shared memory, three passes (notebook 05)"
-    ),
-    KernelVersion(2, "warp_softmax", _ALL_DTYPES, 256, False, "a warp per token, online softmax per warp"),
-    KernelVersion(3, "vector_loads", _ALL_DTYPES, 256, False, "lanes own consecutive dims: 16-byte loads"),
-    KernelVersion(4, "half_warps", _ALL_DTYPES, 256, False, "16-bit rows in half warps: 2 tokens a warp"),
-    KernelVersion(
-        5, "gqa_split", _ALL_DTYPES, 128, True, "a block per KV head, split contexts, fewer shuffles, guard"
-    ),
-)
-
-
-@functools.cache
-def _present_versions() -> tuple[KernelVersion, ...]:
-    return tuple(v for v in VERSIONS if v.available())  # looked up once: file checks cost ~100 us a call
-
-
-def kernel_versions() -> dict[int, KernelVersion]:
-    """The versions whose .cu file is present (when first asked), by number."""
-    return {v.number: v for v in _present_versions()}
-
-
-def resolve_kernel_version(version: int | str | None, dtype: torch.dtype | None = None) -> KernelVersion:
-    """A KernelVersion from a number (4), a name ("half_warps") or a stem ("4_half_warps"); None picks the
-    best: the highest-numbered version present that has an entry point for `dtype` (today 5 for every
-    dtype; version 5 then chooses its own heads per block and context splits, see launch_plan)."""
-    versions = kernel_versions()
-    if version is None:
-        usable = [v for v in versions.values() if dtype is None or dtype in v.dtypes]
-        if not usable:
-            raise InvalidTypeError(
-                f"no paged-attention kernel takes {dtype}; kernels exist for {_ALL_DTYPES}"
-            )
-        return max(usable, key=lambda v: v.number)
-    if isinstance(version, str):
-        found = [v for v in versions.values() if version in (v.name, f"{v.number}_{v.name}", v.file)]
-        if not found:
-            names = [f"{v.number}_{v.name}" for v in versions.values()]
-            raise InvalidArgumentError(f"kernel_version {version!r} is not one of {names} (or their numbers)")
-        chosen = found[0]
-    else:
-        number = as_int(version, "kernel_version")
-        if number not in versions:
-            raise InvalidArgumentError(
-                f"kernel_version must be one of {sorted(versions)} (the kernels/ files present), got {number}"
-            )
-        chosen = versions[number]
-    if dtype is not None and dtype not in chosen.dtypes:
-        raise InvalidTypeError(
-            f"kernel version {chosen.number} ({chosen.name}) supports {list(chosen.dtypes)}, got {dtype}"
-        )
-    return chosen
-
 
 _cupy_modules: dict[tuple[str, int], object] = {}  # (file, device) -> cupy.RawModule
 _cupy_kernels: dict[tuple[str, str, int], object] = {}  # (file, function, device) -> kernel
 _cupy_streams: dict[tuple[int, int], object] = {}  # (device, torch stream handle) -> cupy.ExternalStream
 _emulator_kernels: dict[tuple[str, str], object] = {}  # (file, function) -> vllmini.emulator.RawKernel
-
-
-# ----------------------------------------------------------------------------- finding the sources
-
-
-def kernel_dir() -> Path:
-    """The folder of .cu files: vllmini/kernels/ inside an installed wheel, else the checkout's kernels/."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "kernels", here.parent / "kernels"):
-        if candidate.is_dir():
-            return candidate
-    raise FileNotFoundError(f"no kernels/ folder: looked in {here / 'kernels'} and {here.parent / 'kernels'}")
-
-
-def kernel_files(include_bugs: bool = True) -> list[Path]:
-    """Every .cu file under kernel_dir(), sorted; the planted-bug kernels of kernels/bugs/ when asked."""
-    files = sorted(kernel_dir().rglob("*.cu"))
-    if not include_bugs:
-        files = [f for f in files if "bugs" not in f.relative_to(kernel_dir()).parts]
-    return files
-
-
-def read_kernel_source(name: str) -> str:
-    """The text of kernels/<name>.cu; name may include a subfolder ("bugs/x") and may end in .cu."""
-    path = kernel_dir() / (name if name.endswith(".cu") else f"{name}.cu")
-    if not path.is_file():
-        known = [str(f.relative_to(kernel_dir()).with_suffix("")) for f in kernel_files()]
-        raise FileNotFoundError(f"no kernel source {name!r} in {kernel_dir()}; expected one of {known}")
-    return path.read_text()
 
 
 # ----------------------------------------------------------------------------- NVRTC without a GPU
@@ -332,20 +218,9 @@ def paged_attention_kernel(
     v = version if isinstance(version, KernelVersion) else resolve_kernel_version(version, query.dtype)
     _check_call(v, runtime, (query, key_cache, value_cache, block_tables, seq_lens, out), error, _validated)
     num_seqs, num_heads, head_size = query.shape
-    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
-    max_num_blocks_per_seq = block_tables.shape[1]
     if num_seqs == 0:
         return out
-    sms = num_sms(query.device.index) if runtime == "cupy" else EMULATOR_SMS
-    plan = launch_plan(
-        v, num_seqs, num_heads, num_kv_heads, head_size, block_size, max_num_blocks_per_seq, query.dtype, sms,
-        num_splits,
-    )  # fmt: skip
-    if plan.shared_mem > MAX_SHARED_BYTES:  # version 1 keeps every score of the context in shared memory
-        raise InvalidArgumentError(
-            f"kernel version {v.number} needs {plan.shared_mem} bytes of shared memory for a block table of "
-            f"{max_num_blocks_per_seq} x {block_size} tokens; at most {MAX_SHARED_BYTES} (H100/H200)"
-        )
+    plan = _plan_call(v, runtime, query, key_cache, block_tables, num_splits)
     # the kernels read 16-byte vectors: a view that starts mid-row (a rare, odd storage offset) is copied
     query, key_cache, value_cache = (
         t if t.data_ptr() % 16 == 0 else t.clone() for t in (query, key_cache, value_cache)
@@ -392,6 +267,25 @@ def _check_call(v: KernelVersion, runtime: str, tensors: tuple, error, _validate
         raise InvalidArgumentError(
             f"kernel version {v.number} ({v.name}) has no in-kernel guard; pass error=None"
         )
+
+
+def _plan_call(v: KernelVersion, runtime: str, query, key_cache, block_tables, num_splits) -> LaunchPlan:
+    """The launch plan of one call (launch_plan, for the GPU's SMs or EMULATOR_SMS); InvalidArgumentError
+    when a block would need more shared memory than an H100/H200 block may have."""
+    num_seqs, num_heads, head_size = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    max_num_blocks_per_seq = block_tables.shape[1]
+    sms = num_sms(query.device.index) if runtime == "cupy" else EMULATOR_SMS
+    plan = launch_plan(
+        v, num_seqs, num_heads, num_kv_heads, head_size, block_size, max_num_blocks_per_seq, query.dtype, sms,
+        num_splits,
+    )  # fmt: skip
+    if plan.shared_mem > MAX_SHARED_BYTES:  # version 1 keeps every score of the context in shared memory
+        raise InvalidArgumentError(
+            f"kernel version {v.number} needs {plan.shared_mem} bytes of shared memory for a block table of "
+            f"{max_num_blocks_per_seq} x {block_size} tokens; at most {MAX_SHARED_BYTES} (H100/H200)"
+        )
+    return plan
 
 
 def _kernel_args(v: KernelVersion, plan, inputs: tuple, out: torch.Tensor, error, scale: float):

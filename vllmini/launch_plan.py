@@ -13,7 +13,7 @@ import torch
 from vllmini.checks import cdiv
 
 if TYPE_CHECKING:
-    from vllmini.cuda_kernels import KernelVersion
+    from vllmini.kernel_registry import KernelVersion
 
 WARP_SIZE = 32
 EMULATOR_SMS = 4  # the "multiprocessors" launch_plan assumes for the emulator (a CPU runs blocks one by one)
