@@ -172,9 +172,33 @@ class SweepPoint:
     num_steps: int
     seconds: float  # the run's length on its clock (simulated: what the GPU would take)
 
+    @classmethod
+    def of(cls, workload: str, policy: str, rate: float, run: ServingRun) -> SweepPoint:
+        """The point a served run makes: its metrics (`summarize`), mean batch, preemptions and steps."""
+        m = summarize(run)
+        return cls(workload, policy, rate, m, run.mean_batch, run.num_preemptions, len(run.steps), run.end)
+
     @property
     def mean_normalized_latency(self) -> float:
         return self.metrics.normalized_latency.mean
+
+
+def _check_sweep_args(workload, rates, policies, scale, duration, factor, max_time_factor) -> tuple:
+    """rate_sweep()'s arguments checked; returns (rates ascending, scale, duration, factor,
+    max_time_factor) cleaned. rates None: RATE_GRID[workload] x scale."""
+    one_of(workload, "workload", tuple(RATE_GRID))
+    scale = as_int(scale, "scale", min=1, max=FULL_MAX_MODEL_LEN // 2)
+    if rates is None:
+        rates = [r * scale for r in RATE_GRID[workload]]
+    rates = sorted(as_float(r, "rate", min=1e-9) for r in rates)
+    if not rates:
+        raise InvalidArgumentError("rates must hold at least one request rate, got none")
+    for p in policies:
+        one_of(p, "policy", POLICIES)
+    duration = as_float(duration, "duration", min=1e-9)
+    factor = as_float(factor, "factor", min=1.0)
+    max_time_factor = as_float(max_time_factor, "max_time_factor", min=1.0)
+    return rates, scale, duration, factor, max_time_factor
 
 
 def rate_sweep(
@@ -205,18 +229,9 @@ def rate_sweep(
     on_point(point) and on_run(run, point) are called after each run; keep_going() (e.g. a time budget)
     is asked before each run and False stops the sweep.
     """
-    one_of(workload, "workload", tuple(RATE_GRID))
-    scale = as_int(scale, "scale", min=1, max=FULL_MAX_MODEL_LEN // 2)
-    if rates is None:
-        rates = [r * scale for r in RATE_GRID[workload]]
-    rates = sorted(as_float(r, "rate", min=1e-9) for r in rates)
-    if not rates:
-        raise InvalidArgumentError("rates must hold at least one request rate, got none")
-    for p in policies:
-        one_of(p, "policy", POLICIES)
-    duration = as_float(duration, "duration", min=1e-9)
-    factor = as_float(factor, "factor", min=1.0)
-    max_time_factor = as_float(max_time_factor, "max_time_factor", min=1.0)
+    rates, scale, duration, factor, max_time_factor = _check_sweep_args(
+        workload, rates, policies, scale, duration, factor, max_time_factor
+    )
     max_len = FULL_MAX_MODEL_LEN // scale
     vocab = model.config.vocab_size
     base = make_trace(
@@ -233,10 +248,7 @@ def rate_sweep(
                 return points
             engine = engine_at_scale(model, policy, scale)
             run = serve(engine, trace, clock=clock, step_cost=step_cost, max_time=max_time_factor * duration)
-            m = summarize(run)
-            pt = SweepPoint(
-                workload, policy, rate, m, run.mean_batch, run.num_preemptions, len(run.steps), run.end
-            )
+            pt = SweepPoint.of(workload, policy, rate, run)
             points.append(pt)
             if on_point is not None:
                 on_point(pt)

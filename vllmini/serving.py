@@ -263,6 +263,20 @@ def _admit(engine: LLMEngine, q: TimedRequest, t: float, records: dict) -> None:
     records[rid] = RequestRecord(rid, q.arrival, len(q.prompt_token_ids), q.output_len, admitted=t)
 
 
+def _timed_step(meter: StepMeter, clock: str, step_cost, start: float, now: Callable[[], float]) -> tuple:
+    """One engine step that starts at `start` on the serving clock: (finished outputs, its StepRecord
+    with start and seconds, ids that got their first token, the clock when it ended). Its seconds are
+    measured ("wall": now() after the step) or modelled (step_cost of its tokens)."""
+    finished, rec, first = meter.step()
+    if clock == "wall":
+        t = now()
+        seconds = t - start
+    else:
+        seconds = as_float(step_cost(rec.num_batched_tokens, rec.num_kv_tokens), "step_cost(...)", min=0.0)
+        t = start + seconds
+    return finished, replace(rec, start=start, seconds=seconds), first, t
+
+
 def _record_tokens(records: dict, first: list[int], finished: list[RequestOutput], t: float) -> None:
     """A step that ended at t: first tokens and finished requests noted in their records."""
     for rid in first:
@@ -330,17 +344,8 @@ def serve(
             else:
                 t = trace[order[nxt]].arrival  # jump exactly to it (t + gap could round below it)
             continue
-        start = t
-        finished, rec, first = meter.step()
-        if clock == "wall":
-            t = now()
-            seconds = t - start
-        else:
-            seconds = as_float(
-                step_cost(rec.num_batched_tokens, rec.num_kv_tokens), "step_cost(...)", min=0.0
-            )
-            t = start + seconds
-        steps.append(replace(rec, start=start, seconds=seconds))
+        finished, rec, first, t = _timed_step(meter, clock, step_cost, t, now)
+        steps.append(rec)
         _record_tokens(records, first, finished, t)
         stalled = 0 if (rec.num_generated or finished) else stalled + 1
         if stalled >= stall_steps:
