@@ -67,8 +67,7 @@ def check_time_average(static_share: float, paged_share: float) -> None:
     want_static, want_paged = time_average_answer()
     assert abs(static_share - want_static) < 0.01, (
         f"static share {static_share:.3f}: held tokens / (2048 x requests); each request holds its prompt "
-        "plus "
-        "a uniform fraction of its output"
+        "plus a uniform fraction of its output"
     )
     assert abs(paged_share - want_paged) < 0.01, (
         f"paged share {paged_share:.3f}: held tokens / slots of the whole blocks those tokens fill"
