@@ -26,7 +26,12 @@ from attention_cases import (
 
 from vllmini import cuda_kernels
 from vllmini.attention import check_kernel_errors, kernel_error_buffer, paged_attention
-from vllmini.errors import InvalidArgumentError, InvalidBlockTableError, InvalidTypeError
+from vllmini.errors import (
+    InvalidArgumentError,
+    InvalidBlockTableError,
+    InvalidTypeError,
+    KernelSourceNotFoundError,
+)
 
 DECODE_KEYS = ("query", "key_cache", "value_cache", "block_tables", "seq_lens")
 KERNEL_FILES = cuda_kernels.kernel_files(include_bugs=True)
@@ -60,7 +65,9 @@ def test_kernel_sources_are_found():
         assert cuda_kernels.read_kernel_source(v.file) == cuda_kernels.read_kernel_source(f"{v.file}.cu")
         for dtype in v.dtypes:  # every entry point the registry names is in the file
             assert f" {v.function(dtype)}(" in cuda_kernels.read_kernel_source(v.file)
-    with pytest.raises(FileNotFoundError, match="paged_attention_4_half_warps"):
+    with pytest.raises(
+        KernelSourceNotFoundError, match="paged_attention_4_half_warps"
+    ):  # a FileNotFoundError
         cuda_kernels.read_kernel_source("no_such_kernel")
 
 

@@ -112,3 +112,45 @@ def test_code_is_ruff_clean():
     dirs = [str(ROOT / d) for d in ("vllmini", "tests", "benchmarks", "scripts")]
     check = subprocess.run([sys.executable, "-m", "ruff", "check", *dirs], capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+MAX_MODULE_LINES = 410  # "about 400"
+MAX_FUNCTION_LINES = 60  # longer only with a `# long: <why>` comment on the line above the def
+
+
+def test_modules_and_functions_stay_small():
+    """The package's size rules: no module over about 400 lines, no function over 60 lines (docstring
+    included) unless a comment says why. The emulator's Python counts too."""
+    import ast
+
+    too_long = []
+    for path in sorted((ROOT / "vllmini").rglob("*.py")):
+        lines = path.read_text().splitlines()
+        name = path.relative_to(ROOT)
+        if len(lines) > MAX_MODULE_LINES:
+            too_long.append(f"{name}: {len(lines)} lines")
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                explained = lines[first - 2].strip().startswith("# long:")
+                if length > MAX_FUNCTION_LINES and not explained:
+                    too_long.append(f"{name}:{node.lineno} {node.name}: {length} lines")
+    assert not too_long, "over the size rules:\n" + "\n".join(too_long)
+
+
+def test_code_size_table_names_only_code_that_exists(monkeypatch):
+    """scripts/code_size.py counts later issues' code apart through a table of modules and symbols; every
+    entry must still name something, or the table would silently count it as first-landing code."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("code_size", ROOT / "scripts" / "code_size.py")
+    code_size = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(code_size)
+    files = code_size.read_tree(None)
+    code_size.check_later(files)  # raises SystemExit naming a stale entry
+    counts = code_size.count(files, later=True)
+    assert counts[("package", "13 engine under load")][0] > 1000 and counts[("package", "")][0] > 0
+    monkeypatch.setitem(code_size.LATER, "8 fast kernel", ("vllmini/attention.py:no_such_function",))
+    with pytest.raises(SystemExit, match="no_such_function"):
+        code_size.check_later(files)

@@ -21,6 +21,7 @@ _EXPORTS = {
     "CheckpointNotFoundError": "errors",
     "KernelBuildError": "errors",
     "KernelLaunchError": "errors",
+    "KernelSourceNotFoundError": "errors",
     "InvalidBlockTableError": "errors",
     "EngineStateError": "errors",
     "BlockAllocator": "allocator",
@@ -43,9 +44,10 @@ _EXPORTS = {
     "LLMEngine": "engine",
 }
 _SUBMODULES = set(
-    "errors checks memory allocator block_table block_manager prefix_cache kv_cache attention cuda_kernels "
-    "emulator model sequence scheduler sampling outputs processing interrupts config engine arrivals serving "
-    "latency exercises viz".split()
+    "errors checks memory allocator block_table block_manager prefix_cache kv_cache attention "
+    "attention_checks kernel_registry launch_plan cuda_kernels emulator loader model sequence "
+    "chunked_prefill scheduler sampling outputs processing interrupts config model_runner cuda_graphs "
+    "engine arrivals serving latency exercises viz".split()
 )
 
 __all__ = sorted(_EXPORTS)

@@ -12,6 +12,7 @@ Each subclass also derives from the builtin that code outside vllmini would expe
     ├── CheckpointError        (ValueError)     a checkpoint, config or tokenizer file that cannot be read
     │   └── CheckpointNotFoundError (FileNotFoundError)  ... or that is not there
     ├── KernelBuildError       (RuntimeError)   a .cu file that does not compile (NVRTC or the emulator)
+    ├── KernelSourceNotFoundError (FileNotFoundError)  a .cu file (or kernels/) that is not there
     ├── KernelLaunchError      (RuntimeError)   a launch that failed, hung, or was stopped
     ├── InvalidBlockTableError (ValueError)     a block table entry outside the pool (host check or guard)
     └── EngineStateError       (RuntimeError)   an engine call that does not fit its current state
@@ -54,6 +55,10 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 
 class KernelBuildError(VllminiError, RuntimeError):
     """A CUDA source that does not compile, for NVRTC or for the CPU emulator."""
+
+
+class KernelSourceNotFoundError(VllminiError, FileNotFoundError):
+    """A kernel source (or the kernels/ folder) that is not there; the message says where it looked."""
 
 
 class KernelLaunchError(VllminiError, RuntimeError):

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from vllmini.checks import as_int
-from vllmini.errors import InvalidArgumentError, InvalidTypeError
+from vllmini.errors import InvalidArgumentError, InvalidTypeError, KernelSourceNotFoundError
 
 DTYPE_SUFFIX = {torch.float32: "", torch.float16: "_f16", torch.bfloat16: "_bf16"}  # entry point suffixes
 
@@ -35,7 +35,9 @@ def kernel_dir() -> Path:
     for candidate in (here / "kernels", here.parent / "kernels"):
         if candidate.is_dir():
             return candidate
-    raise FileNotFoundError(f"no kernels/ folder: looked in {here / 'kernels'} and {here.parent / 'kernels'}")
+    raise KernelSourceNotFoundError(
+        f"no kernels/ folder: looked in {here / 'kernels'} and {here.parent / 'kernels'}"
+    )
 
 
 def kernel_files(include_bugs: bool = True) -> list[Path]:
@@ -51,7 +53,9 @@ def read_kernel_source(name: str) -> str:
     path = kernel_dir() / (name if name.endswith(".cu") else f"{name}.cu")
     if not path.is_file():
         known = [str(f.relative_to(kernel_dir()).with_suffix("")) for f in kernel_files()]
-        raise FileNotFoundError(f"no kernel source {name!r} in {kernel_dir()}; expected one of {known}")
+        raise KernelSourceNotFoundError(
+            f"no kernel source {name!r} in {kernel_dir()}; expected one of {known}"
+        )
     return path.read_text()
 
 
@@ -82,7 +86,7 @@ class KernelVersion:
         """True when its .cu file is present (a version whose file is missing is simply absent)."""
         try:
             return (kernel_dir() / f"{self.file}.cu").is_file()
-        except FileNotFoundError:
+        except KernelSourceNotFoundError:
             return False
 
 

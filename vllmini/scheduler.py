@@ -39,7 +39,7 @@ from vllmini import chunked_prefill
 from vllmini.block_manager import BlockManager
 from vllmini.checks import as_bool, as_float, as_int, cdiv, one_of
 from vllmini.errors import EngineStateError, InvalidArgumentError
-from vllmini.sequence import SchedulerOutput, Sequence, SequenceStatus
+from vllmini.sequence import SchedulerOutput, Sequence, SequenceStatus, as_group
 
 __all__ = ["POLICIES", "Scheduler", "SchedulerOutput", "Sequence", "SequenceStatus", "check_policy"]
 
@@ -136,26 +136,15 @@ class Scheduler:
         """Queue a new request at the back: one sequence, or the n samples of one prompt (a list, with
         one request_id). A seq_id or request_id already waiting or running is refused, as is a sequence
         that already ran."""
-        group = [seqs] if isinstance(seqs, Sequence) else list(seqs)
-        if not group or not all(isinstance(s, Sequence) for s in group):
-            raise InvalidArgumentError(f"add() takes a Sequence or a non-empty list of them, got {seqs!r}")
+        group = as_group(seqs)
         for seq in group:
             if seq.seq_id in self._live:
                 raise InvalidArgumentError(
                     f"seq_id {seq.seq_id!r} is already queued or running: {self._live[seq.seq_id]}"
                 )
-            if seq.status is not SequenceStatus.WAITING or seq.output_token_ids:
-                raise InvalidArgumentError(f"only a new sequence can be added, got {seq}")
         rid = group[0].request_id
         if rid in self._requests:
             raise InvalidArgumentError(f"request_id {rid!r} is already queued or running")
-        if len({s.seq_id for s in group}) < len(group) or any(
-            s.request_id != rid or s.prompt_token_ids != group[0].prompt_token_ids for s in group
-        ):
-            raise InvalidArgumentError(
-                "the samples of one request need distinct seq_ids, one request_id and one prompt, got "
-                f"{[(s.seq_id, s.request_id) for s in group]}"
-            )
         self.check_fits(group)
         for seq in group:
             seq.group = group

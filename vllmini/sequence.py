@@ -87,6 +87,26 @@ class Sequence:
         )
 
 
+
+def as_group(seqs: Sequence | list[Sequence]) -> list[Sequence]:
+    """A new request's sequences as a list: one `Sequence`, or the n samples of one prompt (distinct
+    seq_ids, one request_id, one prompt). Refuses anything else, and a sequence that already ran."""
+    group = [seqs] if isinstance(seqs, Sequence) else list(seqs)
+    if not group or not all(isinstance(s, Sequence) for s in group):
+        raise InvalidArgumentError(f"add() takes a Sequence or a non-empty list of them, got {seqs!r}")
+    for seq in group:
+        if seq.status is not SequenceStatus.WAITING or seq.output_token_ids:
+            raise InvalidArgumentError(f"only a new sequence can be added, got {seq}")
+    first = group[0]
+    if len({s.seq_id for s in group}) < len(group) or any(
+        s.request_id != first.request_id or s.prompt_token_ids != first.prompt_token_ids for s in group
+    ):
+        raise InvalidArgumentError(
+            "the samples of one request need distinct seq_ids, one request_id and one prompt, got "
+            f"{[(s.seq_id, s.request_id) for s in group]}"
+        )
+    return group
+
 @dataclass
 class SchedulerOutput:
     """One step's batch: prefills first, then decodes; the new tokens' slots in the same order."""

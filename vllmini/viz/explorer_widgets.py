@@ -74,6 +74,32 @@ class Controls:
     controls: object  # the selections and buttons, in one column
     widget: object  # everything: status line, then controls beside the picture
 
+    def add_handles(self) -> None:
+        """CSS classes vllmini-<name>: stable handles for the browser test."""
+        named = {"explorer": self.widget, "tokens": self.num_tokens, "seq": self.seq_select}
+        named |= {"samples": self.samples, "prefix": self.prefix_select, "reset": self.reset_button}
+        named |= {"status": self.status, "image": self.image, **self.buttons}
+        for name, widget in named.items():
+            widget.add_class(f"vllmini-{name}")
+
+
+def _selections(block_size: int, max_tokens: int, layout) -> tuple:
+    """The tokens box and the sequence, samples and `starts with` dropdowns."""
+    import ipywidgets as w
+
+    num_tokens = tokens_box(
+        value=block_size + 1, min=1, max=max_tokens, description="tokens", continuous_update=True,
+        layout=layout, tooltip=TIPS["tokens"],
+    )  # fmt: skip
+    seq_select = w.Dropdown(options=[], description="sequence", layout=layout, tooltip=TIPS["seq"])
+    samples = w.Dropdown(
+        options=[2, 3, 4, 5, 6], value=2, description="samples", layout=layout, tooltip=TIPS["samples"]
+    )
+    prefix_select = w.Dropdown(
+        options=[("new tokens", NEW_TOKENS)], description="starts with", layout=layout, tooltip=TIPS["prefix"]
+    )
+    return num_tokens, seq_select, samples, prefix_select
+
 
 def build_controls(
     block_size: int, max_tokens: int, on_click: Callable, on_change: Callable, on_reset: Callable
@@ -91,22 +117,8 @@ def build_controls(
     import ipywidgets as w
 
     wide = w.Layout(width="270px")
-    num_tokens = tokens_box(
-        value=block_size + 1,
-        min=1,
-        max=max_tokens,
-        description="tokens",
-        continuous_update=True,
-        layout=wide,
-        tooltip=TIPS["tokens"],
-    )
-    seq_select = w.Dropdown(options=[], description="sequence", layout=wide, tooltip=TIPS["seq"])
-    samples = w.Dropdown(
-        options=[2, 3, 4, 5, 6], value=2, description="samples", layout=wide, tooltip=TIPS["samples"]
-    )
-    prefix_select = w.Dropdown(
-        options=[("new tokens", NEW_TOKENS)], description="starts with", layout=wide, tooltip=TIPS["prefix"]
-    )
+    selections = _selections(block_size, max_tokens, wide)
+    num_tokens = selections[0]
     buttons, links = {}, []
     for name in ACTIONS:
         button = w.ToggleButton(tooltip=TIPS[name], layout=wide)
@@ -116,7 +128,6 @@ def build_controls(
         buttons[name] = button
     reset_button = w.Button(description="reset: empty pool", icon="refresh", layout=wide)
     reset_button.on_click(lambda _button: on_reset())
-    selections = [num_tokens, seq_select, samples, prefix_select]
     for widget in selections:
         widget.observe(on_change, "value")
     status = w.HTML()
@@ -127,32 +138,9 @@ def build_controls(
     )
     style = w.HTML(CSS, layout=w.Layout(display="none"))
     widget = w.VBox([style, status, w.HBox([controls, image])])
-    named = {
-        "explorer": widget,
-        "tokens": num_tokens,
-        "seq": seq_select,
-        "samples": samples,
-        "prefix": prefix_select,
-        "reset": reset_button,
-        "status": status,
-        "image": image,
-        **buttons,
-    }
-    for name, each in named.items():
-        each.add_class(f"vllmini-{name}")  # stable handles for the browser test
-    return Controls(
-        num_tokens,
-        seq_select,
-        samples,
-        prefix_select,
-        buttons,
-        links,
-        reset_button,
-        status,
-        image,
-        controls,
-        widget,
-    )
+    ui = Controls(*selections, buttons, links, reset_button, status, image, controls, widget)
+    ui.add_handles()
+    return ui
 
 
 class BackgroundPainter:

@@ -1,0 +1,249 @@
+"""How big vllmini's Python is, and how much of it the first landing's features take today.
+
+    python scripts/code_size.py                  # f4320b2 (the first landing) against the working tree
+    python scripts/code_size.py --old REV --new REV
+
+The first landing (f4320b2) had the allocator, page tables, the paged KV cache, attention in PyTorch, one
+CUDA kernel, the Llama model, the scheduler with three policies and the engine. Later issues added kernel
+versions 2-5 and the in-kernel guard (8), the CUDA chapter (9), sharing pages (10), the learner's path (11),
+the engine under load (13), the explorer in a browser (14) and surviving errors and Ctrl-C (15). LATER
+names the code each of them added, as whole modules or as functions, classes and methods; everything else
+counts as first-landing code, including what later issues added inside first-landing functions and module
+docstrings (so the first-landing figure is an upper bound). Lines are physical lines (as `wc -l`); "code"
+leaves out blank, comment and docstring lines. The emulator's Python (vllmini/emulator/) is counted apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import subprocess
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FIRST_LANDING = "f4320b2"
+
+# issue -> what it added: "path.py" (a whole module) or "path.py:Name" / "path.py:Class.method"
+LATER: dict[str, tuple[str, ...]] = {
+    "8 fast kernel": (
+        "vllmini/launch_plan.py",
+        "vllmini/kernel_registry.py:KernelVersion",
+        "vllmini/kernel_registry.py:_present_versions",
+        "vllmini/kernel_registry.py:kernel_versions",
+        "vllmini/kernel_registry.py:resolve_kernel_version",
+        "vllmini/attention.py:guarded_by_default",
+        "vllmini/attention_checks.py:_normalize_device",
+        "vllmini/attention_checks.py:kernel_error_buffer",
+        "vllmini/attention_checks.py:check_kernel_errors",
+        "vllmini/attention_checks.py:_table_check_mode",
+        "vllmini/viz/kernel_perf.py",
+    ),
+    "9 CUDA chapter": ("vllmini/viz/cuda.py",),
+    "10 sharing": (
+        "vllmini/prefix_cache.py",
+        "vllmini/block_manager.py:BlockManager.num_cached_free_blocks",
+        "vllmini/block_manager.py:BlockManager._check_shared",
+        "vllmini/block_manager.py:BlockManager.blocks_needed",
+        "vllmini/block_manager.py:BlockManager._make_room",
+        "vllmini/block_manager.py:BlockManager.cached_prefix",
+        "vllmini/block_manager.py:BlockManager.cache_full_blocks",
+        "vllmini/block_manager.py:BlockManager._release",
+        "vllmini/block_manager.py:BlockManager.sharing",
+        "vllmini/model_runner.py:ModelRunner.copy_blocks",
+        "vllmini/engine.py:LLMEngine._copy_on_write",
+        "vllmini/outputs.py:CompletionOutput",
+        "vllmini/outputs.py:StepStats.memory_saved",
+        "vllmini/outputs.py:sharing_summary",
+        "vllmini/sampling.py:sample_seed",
+        "vllmini/scheduler.py:Scheduler._preempt_group",
+        "vllmini/scheduler.py:Scheduler._plan_admission",
+        "vllmini/scheduler.py:Scheduler.mark_computed",
+        "vllmini/sequence.py:SchedulerOutput.samplers",
+    ),
+    "11 learner's path": (
+        "vllmini/exercises.py",
+        "vllmini/viz/course.py",
+        "vllmini/viz/blocks.py:draw_slots_read",
+    ),
+    "13 engine under load": (
+        "vllmini/arrivals.py",
+        "vllmini/latency.py",
+        "vllmini/serving.py",
+        "vllmini/cuda_graphs.py",
+        "vllmini/viz/serving.py",
+        "vllmini/viz/blocks.py:draw_pool_history",
+        "vllmini/attention.py:to_device",
+        "vllmini/attention.py:AttentionMetadata.check_on_host",
+        "vllmini/attention.py:AttentionMetadata.to",
+        "vllmini/model_runner.py:ModelRunner._capture_graphs",
+        "vllmini/engine.py:LLMEngine._no_progress_error",
+        "vllmini/engine.py:LLMEngine._run_until_done",
+        "vllmini/outputs.py:Logprob",
+        "vllmini/processing.py:OutputProcessor.finish_reason",
+        "vllmini/processing.py:OutputProcessor._text",
+        "vllmini/processing.py:OutputProcessor._token_text",
+        "vllmini/processing.py:OutputProcessor.completion",
+        "vllmini/sampling.py:sample_batch",
+        "vllmini/sampling.py:_draw",
+        "vllmini/sampling.py:token_logprobs",
+        "vllmini/chunked_prefill.py",
+        "vllmini/scheduler.py:Scheduler.unreached_slots",
+        "vllmini/scheduler.py:Scheduler.stall_message",
+        "vllmini/sequence.py:Sequence.is_prefilling",
+        "vllmini/sequence.py:SchedulerOutput.prefill_end",
+        "vllmini/sequence.py:SchedulerOutput.partial_prefills",
+    ),
+    "14 explorer in a browser": (
+        "vllmini/viz/playground.py",
+        "vllmini/viz/page_table_places.py",
+        "vllmini/viz/explorer_widgets.py:in_kernel",
+        "vllmini/viz/explorer_widgets.py:BackgroundPainter",
+        "vllmini/viz/explorer.py:_locked",
+        "vllmini/viz/explorer.py:PageTableExplorer.last_copies",
+        "vllmini/viz/explorer.py:PageTableExplorer.step",
+        "vllmini/viz/explorer.py:PageTableExplorer.click",
+        "vllmini/viz/explorer.py:PageTableExplorer._on_click",
+        "vllmini/viz/explorer.py:PageTableExplorer._label_buttons",
+        "vllmini/viz/explorer.py:PageTableExplorer._status_html",
+    ),
+    "15 nothing lost, nothing hangs": (
+        "vllmini/interrupts.py",
+        "vllmini/emulator/_launch.py:time_limit_seconds",
+        "vllmini/emulator/_launch.py:_wait",
+        "vllmini/emulator/_checked.py:Region",
+        "vllmini/emulator/_checked.py:regions",
+        "vllmini/block_manager.py:BlockManager.snapshot",
+        "vllmini/block_manager.py:BlockManager.restore",
+        "vllmini/block_manager.py:BlockManager.num_pinned_blocks",
+        "vllmini/engine.py:LLMEngine.abort_request",
+        "vllmini/scheduler.py:Scheduler.abort",
+        "vllmini/scheduler.py:Scheduler._retire",
+        "vllmini/scheduler.py:Scheduler.snapshot",
+        "vllmini/scheduler.py:Scheduler.restore",
+    ),
+}
+
+
+def read_tree(rev: str | None) -> dict[str, str]:
+    """path -> text of every vllmini/*.py at `rev` (None: the working tree)."""
+    if rev is None:
+        return {str(p.relative_to(ROOT)): p.read_text() for p in sorted((ROOT / "vllmini").rglob("*.py"))}
+    names = subprocess.run(
+        ["git", "ls-tree", "-r", "--name-only", rev, "vllmini"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    show = ["git", "show"]
+    return {
+        n: subprocess.run([*show, f"{rev}:{n}"], cwd=ROOT, check=True, capture_output=True, text=True).stdout
+        for n in names
+        if n.endswith(".py")
+    }
+
+
+def symbols(tree: ast.Module) -> dict[str, ast.AST]:
+    """Top-level functions and classes, and methods as Class.method."""
+    found = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found[node.name] = node
+        if isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    found[f"{node.name}.{item.name}"] = item
+    return found
+
+
+def docstring_lines(tree: ast.Module) -> set[int]:
+    """Line numbers of every docstring (module, class, function)."""
+    lines = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                if isinstance(first.value.value, str):
+                    lines.update(range(first.lineno, first.end_lineno + 1))
+    return lines
+
+
+def owners(path: str, text: str) -> list[str]:
+    """For each line of `path`, the issue whose code it is ("" for first-landing code)."""
+    tree = ast.parse(text)
+    n = len(text.splitlines())
+    owner = [""] * (n + 1)  # 1-based
+    found = symbols(tree)
+    for issue, entries in LATER.items():
+        for entry in entries:
+            file, _, name = entry.partition(":")
+            if file != path:
+                continue
+            if not name:
+                owner = [issue] * (n + 1)
+                continue
+            if name not in found:
+                raise SystemExit(f"LATER names {entry}, which {path} does not define")
+            node = found[name]
+            start = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
+            for i in range(start, node.end_lineno + 1):
+                owner[i] = issue
+    return owner[1:]
+
+
+def count(files: dict[str, str], later: bool) -> dict:
+    """Lines and code lines per owner, outside and inside the emulator."""
+    totals: dict = defaultdict(lambda: [0, 0])
+    for path, text in files.items():
+        lines = text.splitlines()
+        skip = docstring_lines(ast.parse(text))
+        who = owners(path, text) if later else [""] * len(lines)
+        where = "emulator" if "/emulator/" in path else "package"
+        for i, line in enumerate(lines, 1):
+            key = (where, who[i - 1])
+            totals[key][0] += 1
+            stripped = line.strip()
+            totals[key][1] += bool(stripped) and not stripped.startswith("#") and i not in skip
+    return totals
+
+
+def check_later(files: dict[str, str]) -> None:
+    """Every LATER entry names a file (and symbol) that exists, so the table cannot go stale unseen."""
+    for entries in LATER.values():
+        for entry in entries:
+            file = entry.partition(":")[0]
+            if file not in files:
+                raise SystemExit(f"LATER names {entry}, but {file} does not exist")
+            owners(file, files[file])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--old", default=FIRST_LANDING, help="the first landing's commit")
+    parser.add_argument("--new", default=None, help="a commit (default: the working tree)")
+    args = parser.parse_args()
+    old, new = read_tree(args.old), read_tree(args.new)
+    check_later(new)
+    before, after = count(old, later=False), count(new, later=True)
+    print(f"vllmini/ Python, {args.old} against {args.new or 'the working tree'}: lines (code lines)\n")
+    print(f"| {'':42} | {args.old:>13} | {args.new or 'now':>13} |")
+    print(f"|{'-' * 44}|{'-' * 15}|{'-' * 15}|")
+    for where in ("package", "emulator"):
+        old_total = before[(where, "")]
+        rows = [("first-landing features", old_total, after.get((where, ""), [0, 0]))]
+        for issue in LATER:
+            if (where, issue) in after:
+                rows.append((f"  added by issue {issue}", None, after[(where, issue)]))
+        print(f"| **{where}** ({'outside' if where == 'package' else 'inside'} vllmini/emulator/) | | |")
+        for label, was, now in rows:
+            was_text = f"{was[0]} ({was[1]})" if was else ""
+            print(f"| {label:42} | {was_text:>13} | {f'{now[0]} ({now[1]})':>13} |")
+        total = [sum(v[k] for (w, _), v in after.items() if w == where) for k in (0, 1)]
+        print(f"| {'  all':42} | {'':>13} | {f'{total[0]} ({total[1]})':>13} |")
+
+
+if __name__ == "__main__":
+    main()
