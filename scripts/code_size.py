@@ -193,19 +193,34 @@ def owners(path: str, text: str) -> list[str]:
 
 
 def count(files: dict[str, str], later: bool) -> dict:
-    """Lines and code lines per owner, outside and inside the emulator."""
+    """[lines, code lines] per (file, owner)."""
     totals: dict = defaultdict(lambda: [0, 0])
     for path, text in files.items():
         lines = text.splitlines()
         skip = docstring_lines(ast.parse(text))
         who = owners(path, text) if later else [""] * len(lines)
-        where = "emulator" if "/emulator/" in path else "package"
         for i, line in enumerate(lines, 1):
-            key = (where, who[i - 1])
-            totals[key][0] += 1
             stripped = line.strip()
-            totals[key][1] += bool(stripped) and not stripped.startswith("#") and i not in skip
+            totals[(path, who[i - 1])][0] += 1
+            totals[(path, who[i - 1])][1] += bool(stripped) and not stripped.startswith("#") and i not in skip
     return totals
+
+
+def where(path: str) -> str:
+    return "emulator" if "/emulator/" in path else "package"
+
+
+def sums(totals: dict, key) -> dict:
+    """`totals` added up by key(path, owner)."""
+    out: dict = defaultdict(lambda: [0, 0])
+    for (path, owner), (lines, code) in totals.items():
+        out[key(path, owner)][0] += lines
+        out[key(path, owner)][1] += code
+    return out
+
+
+def row(label: str, *cells) -> str:
+    return "| " + " | ".join([f"{label:52}", *(f"{c[0]} ({c[1]})" if c else "" for c in cells)]) + " |"
 
 
 def check_later(files: dict[str, str]) -> None:
@@ -224,25 +239,30 @@ def main() -> None:
     )
     parser.add_argument("--old", default=FIRST_LANDING, help="the first landing's commit")
     parser.add_argument("--new", default=None, help="a commit (default: the working tree)")
+    parser.add_argument("--by-file", action="store_true", help="also each file: first-landing and later code")
     args = parser.parse_args()
     old, new = read_tree(args.old), read_tree(args.new)
     check_later(new)
     before, after = count(old, later=False), count(new, later=True)
+    new_name = args.new or "now"
     print(f"vllmini/ Python, {args.old} against {args.new or 'the working tree'}: lines (code lines)\n")
-    print(f"| {'':42} | {args.old:>13} | {args.new or 'now':>13} |")
-    print(f"|{'-' * 44}|{'-' * 15}|{'-' * 15}|")
-    for where in ("package", "emulator"):
-        old_total = before[(where, "")]
-        rows = [("first-landing features", old_total, after.get((where, ""), [0, 0]))]
+    print(f"| {'':52} | {args.old} | {new_name} |\n|---|---|---|")
+    was, now = sums(before, lambda p, o: (where(p), o)), sums(after, lambda p, o: (where(p), o))
+    for part in ("package", "emulator"):
+        print(f"| **{part}** ({'outside' if part == 'package' else 'inside'} vllmini/emulator/) | | |")
+        print(row("first-landing features", was[(part, "")], now[(part, "")]))
         for issue in LATER:
-            if (where, issue) in after:
-                rows.append((f"  added by issue {issue}", None, after[(where, issue)]))
-        print(f"| **{where}** ({'outside' if where == 'package' else 'inside'} vllmini/emulator/) | | |")
-        for label, was, now in rows:
-            was_text = f"{was[0]} ({was[1]})" if was else ""
-            print(f"| {label:42} | {was_text:>13} | {f'{now[0]} ({now[1]})':>13} |")
-        total = [sum(v[k] for (w, _), v in after.items() if w == where) for k in (0, 1)]
-        print(f"| {'  all':42} | {'':>13} | {f'{total[0]} ({total[1]})':>13} |")
+            if (part, issue) in now:
+                print(row(f"added by issue {issue}", None, now[(part, issue)]))
+        print(
+            row("all", was[(part, "")], [sum(v[k] for (w, _), v in now.items() if w == part) for k in (0, 1)])
+        )
+    if args.by_file:
+        print(f"\n| file | {args.old} | {new_name}: first landing | {new_name}: later issues |")
+        print("|---|---|---|---|")
+        was, now = sums(before, lambda p, o: p), sums(after, lambda p, o: (p, bool(o)))
+        for path in sorted(set(was) | {p for p, _ in now}):
+            print(row(path, was.get(path), now.get((path, False)), now.get((path, True))))
 
 
 if __name__ == "__main__":
