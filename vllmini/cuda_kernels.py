@@ -215,61 +215,72 @@ def paged_attention_kernel(
     rows come out NaN and the first one is recorded in `error` (vllmini.attention.check_kernel_errors).
     Without it the kernel trusts the tables. `num_splits` forces version 5's context split (tests).
     `source` (cupy only) launches another text with the same arguments, for benchmarks of variants."""
-    v = version if isinstance(version, KernelVersion) else resolve_kernel_version(version, query.dtype)
-    _check_call(v, runtime, (query, key_cache, value_cache, block_tables, seq_lens, out), error, _validated)
+    kernel = version if isinstance(version, KernelVersion) else resolve_kernel_version(version, query.dtype)
+    _check_call(
+        kernel, runtime, (query, key_cache, value_cache, block_tables, seq_lens, out), error, _validated
+    )
     num_seqs, num_heads, head_size = query.shape
     if num_seqs == 0:
         return out
-    plan = _plan_call(v, runtime, query, key_cache, block_tables, num_splits)
+    plan = _plan_call(kernel, runtime, query, key_cache, block_tables, num_splits)
     # the kernels read 16-byte vectors: a view that starts mid-row (a rare, odd storage offset) is copied
     query, key_cache, value_cache = (
         t if t.data_ptr() % 16 == 0 else t.clone() for t in (query, key_cache, value_cache)
     )
     args, out_raw, (part_out, part_ml) = _kernel_args(
-        v, plan, (query, key_cache, value_cache, block_tables, seq_lens), out, error, scale
+        kernel, plan, (query, key_cache, value_cache, block_tables, seq_lens), out, error, scale
     )
     # version 5's compile options pick its copy of the kernel; the emulator builds every copy once
-    options = plan.options if v.number >= 5 and runtime == "cupy" else ()
+    options = plan.options if kernel.number >= 5 and runtime == "cupy" else ()
 
     def launch(function: str, grid, block, launch_args, shared_mem: int) -> None:
         _launch(
-            v.file, function, runtime, query.device, grid, block, launch_args, shared_mem, source, options
+            kernel.file,
+            function,
+            runtime,
+            query.device,
+            grid,
+            block,
+            launch_args,
+            shared_mem,
+            source,
+            options,
         )
 
-    launch(v.function(query.dtype), plan.grid, plan.block, args, plan.shared_mem)
-    if v.number < 5:
+    launch(kernel.function(query.dtype), plan.grid, plan.block, args, plan.shared_mem)
+    if kernel.number < 5:
         if out_raw is not out:
             out.copy_(out_raw)  # the kernel accumulates and writes float32; round once, here
     elif plan.num_splits > 1:
         merge_args = (out_raw, part_out, part_ml, np.int32(plan.num_splits), np.int32(head_size))
-        merge = f"{v.file}_merge{DTYPE_SUFFIX[query.dtype]}"
+        merge = f"{kernel.file}_merge{DTYPE_SUFFIX[query.dtype]}"
         launch(merge, (num_seqs, num_heads, 1), (MERGE_THREADS, 1, 1), merge_args, 0)
     return out
 
 
-def _check_call(v: KernelVersion, runtime: str, tensors: tuple, error, _validated: bool) -> None:
+def _check_call(kernel: KernelVersion, runtime: str, tensors: tuple, error, _validated: bool) -> None:
     """What paged_attention_kernel needs of its inputs (after vllmini.paged_attention's checks, only
     what they do not cover)."""
     query, key_cache, out = tensors[0], tensors[1], tensors[5]
     if _validated:  # vllmini.paged_attention checked dtypes, shapes, devices and layout already
-        if v.number > 1 and query.shape[2] > MAX_HEAD_SIZE:
+        if kernel.number > 1 and query.shape[2] > MAX_HEAD_SIZE:
             raise InvalidArgumentError(
-                f"kernel version {v.number} supports head_size <= {MAX_HEAD_SIZE}, got {query.shape[2]}"
+                f"kernel version {kernel.number} supports head_size <= {MAX_HEAD_SIZE}, got {query.shape[2]}"
             )
     else:
         names = ("query", "key_cache", "value_cache", "block_tables", "seq_lens", "out")
-        _check_launch_inputs(runtime, tensors, names, query, key_cache, v)
+        _check_launch_inputs(runtime, tensors, names, query, key_cache, kernel)
     if out.dtype != query.dtype or out.shape != query.shape:
         raise InvalidArgumentError(
             f"out must be {query.dtype} {tuple(query.shape)}, got {out.dtype} {tuple(out.shape)}"
         )
-    if error is not None and not v.guard:
+    if error is not None and not kernel.guard:
         raise InvalidArgumentError(
-            f"kernel version {v.number} ({v.name}) has no in-kernel guard; pass error=None"
+            f"kernel version {kernel.number} ({kernel.name}) has no in-kernel guard; pass error=None"
         )
 
 
-def _plan_call(v: KernelVersion, runtime: str, query, key_cache, block_tables, num_splits) -> LaunchPlan:
+def _plan_call(kernel: KernelVersion, runtime: str, query, key_cache, block_tables, num_splits) -> LaunchPlan:
     """The launch plan of one call (launch_plan, for the GPU's SMs or EMULATOR_SMS); InvalidArgumentError
     when a block would need more shared memory than an H100/H200 block may have."""
     num_seqs, num_heads, head_size = query.shape
@@ -277,18 +288,19 @@ def _plan_call(v: KernelVersion, runtime: str, query, key_cache, block_tables, n
     max_num_blocks_per_seq = block_tables.shape[1]
     sms = num_sms(query.device.index) if runtime == "cupy" else EMULATOR_SMS
     plan = launch_plan(
-        v, num_seqs, num_heads, num_kv_heads, head_size, block_size, max_num_blocks_per_seq, query.dtype, sms,
-        num_splits,
+        kernel, num_seqs, num_heads, num_kv_heads, head_size, block_size, max_num_blocks_per_seq, query.dtype,
+        sms, num_splits,
     )  # fmt: skip
     if plan.shared_mem > MAX_SHARED_BYTES:  # version 1 keeps every score of the context in shared memory
         raise InvalidArgumentError(
-            f"kernel version {v.number} needs {plan.shared_mem} bytes of shared memory for a block table of "
-            f"{max_num_blocks_per_seq} x {block_size} tokens; at most {MAX_SHARED_BYTES} (H100/H200)"
+            f"kernel version {kernel.number} needs {plan.shared_mem} bytes of shared memory "
+            f"for a block table of {max_num_blocks_per_seq} x {block_size} tokens; "
+            f"at most {MAX_SHARED_BYTES} (H100/H200)"
         )
     return plan
 
 
-def _kernel_args(v: KernelVersion, plan, inputs: tuple, out: torch.Tensor, error, scale: float):
+def _kernel_args(kernel: KernelVersion, plan, inputs: tuple, out: torch.Tensor, error, scale: float):
     """The launch arguments of version `v` (in its .cu signature's order), the buffer the kernel writes,
     and version 5's split partials (None, None without a split)."""
     query, key_cache, value_cache, block_tables, seq_lens = inputs
@@ -296,7 +308,7 @@ def _kernel_args(v: KernelVersion, plan, inputs: tuple, out: torch.Tensor, error
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape
     raw = [t if t.dtype == torch.float32 else t.view(torch.uint16) for t in (query, key_cache, value_cache)]
     ints = (block_size, num_heads, head_size, num_kv_heads, block_tables.shape[1])
-    if v.number < 5:  # (out float32, q, k, v, tables, lens, sizes..., scale); out cast after
+    if kernel.number < 5:  # (out float32, q, k, v, tables, lens, sizes..., scale); out cast after
         out_raw = (
             out
             if out.dtype == torch.float32
@@ -327,8 +339,8 @@ def _launch(file, function, runtime, device, grid, block, args, shared_mem, sour
         if shared_mem > DEFAULT_SHARED_BYTES and kernel.max_dynamic_shared_size_bytes < shared_mem:
             kernel.max_dynamic_shared_size_bytes = shared_mem  # opt in (raises if the GPU has less)
         cargs = tuple(
-            (0 if a is None else a.data_ptr()) if a is None or isinstance(a, torch.Tensor) else a
-            for a in args
+            (0 if arg is None else arg.data_ptr()) if arg is None or isinstance(arg, torch.Tensor) else arg
+            for arg in args
         )
         with cupy.cuda.Device(device.index), _torch_stream(device):
             kernel(grid, block, cargs, shared_mem=shared_mem)
