@@ -216,9 +216,8 @@ def paged_attention_kernel(
     Without it the kernel trusts the tables. `num_splits` forces version 5's context split (tests).
     `source` (cupy only) launches another text with the same arguments, for benchmarks of variants."""
     kernel = version if isinstance(version, KernelVersion) else resolve_kernel_version(version, query.dtype)
-    _check_call(
-        kernel, runtime, (query, key_cache, value_cache, block_tables, seq_lens, out), error, _validated
-    )
+    inputs = (query, key_cache, value_cache, block_tables, seq_lens)
+    _check_call(kernel, runtime, (*inputs, out), error, _validated)
     num_seqs, num_heads, head_size = query.shape
     if num_seqs == 0:
         return out
@@ -232,20 +231,10 @@ def paged_attention_kernel(
     )
     # version 5's compile options pick its copy of the kernel; the emulator builds every copy once
     options = plan.options if kernel.number >= 5 and runtime == "cupy" else ()
+    device = query.device
 
     def launch(function: str, grid, block, launch_args, shared_mem: int) -> None:
-        _launch(
-            kernel.file,
-            function,
-            runtime,
-            query.device,
-            grid,
-            block,
-            launch_args,
-            shared_mem,
-            source,
-            options,
-        )
+        _launch(kernel.file, function, runtime, device, grid, block, launch_args, shared_mem, source, options)
 
     launch(kernel.function(query.dtype), plan.grid, plan.block, args, plan.shared_mem)
     if kernel.number < 5:
