@@ -17,7 +17,8 @@ from vllmini.model_runner import prepare_inputs
 from vllmini.scheduler import Scheduler, Sequence
 
 transformers = pytest.importorskip("transformers")
-from llama_cases import TIE, assert_greedy, greedy_reference  # noqa: E402 (needs transformers)
+from engine_faults import fails_once_per_step  # noqa: E402
+from llama_cases import TIE, assert_same_greedy, greedy_reference  # noqa: E402 (needs transformers)
 
 MAX_TOKENS = 10
 PROMPT_LENS = (1, 3, 4, 5, 8, 9, 16, 17, 30)
@@ -33,12 +34,6 @@ def prompts():
 @pytest.fixture(scope="module")
 def reference(hf64, prompts):
     return [greedy_reference(hf64, p, MAX_TOKENS) for p in prompts]
-
-
-def assert_same_greedy(token_lists, reference):
-    """Same tokens, except after a genuine tie in transformers' logits."""
-    full = sum(assert_greedy(got, ref) for got, ref in zip(token_lists, reference, strict=True))
-    assert full >= len(reference) - 1
 
 
 def chunked(model, budget, **kwargs):
@@ -154,24 +149,13 @@ def test_a_failure_in_every_forward_undoes_the_chunk_progress(model, prompts):
         engine = chunked(model, 5, num_blocks=14, watermark=0.0)
         for p, sp in requests:
             engine.add_request(p, sp)
-        original, failed, outputs = engine.model.forward, set(), {}
-
-        def forward(*args, **kwargs):
-            logits = original(*args, **kwargs)  # writes the KV cache, then fails once per step
-            if fail and len(engine.stats) not in failed:
-                failed.add(len(engine.stats))
-                raise KeyboardInterrupt
-            return logits
-
-        engine.model.forward = forward  # the model is shared by the module's tests: put it back after
-        try:
+        outputs = {}
+        with fails_once_per_step(engine, KeyboardInterrupt, enabled=fail):
             while engine.has_unfinished_requests():
                 try:
                     outputs.update((o.request_id, o.output_token_ids) for o in engine.step())
                 except KeyboardInterrupt:
                     continue
-        finally:
-            del engine.model.forward
         computed = [(s.num_prefills, s.num_prefill_tokens, s.num_decodes) for s in engine.stats]
         return outputs, computed, engine.num_preemptions
 

@@ -13,6 +13,7 @@ from vllmini.kv_cache import PagedKVCache
 from vllmini.model import AttentionMetadata, LlamaModel, to_device
 
 pytest.importorskip("transformers")
+from engine_faults import corrupt_first_page  # noqa: E402
 from llama_cases import random_hf_model  # noqa: E402 (needs transformers)
 
 
@@ -182,16 +183,9 @@ def test_a_bad_block_id_is_caught_under_graphs(monkeypatch):
         pytest.skip("the decode backend has no in-kernel guard (no CuPy): the host check catches it")
     rid = engine.add_request([5, 6, 7, 8, 9], params)
     engine.step()  # the prefill
-    build = engine.runner.prepare_inputs
     replays = []
     run = engine.graphs.run
-
-    def corrupt(out, block_manager):
-        input_ids, positions, meta = build(out, block_manager)
-        meta.block_tables[0, 0] = 10**6  # a page far outside the pool
-        return input_ids, positions, meta
-
-    monkeypatch.setattr(engine.runner, "prepare_inputs", corrupt)
+    corrupt_first_page(engine, monkeypatch)
     monkeypatch.setattr(engine.graphs, "run", lambda *a: replays.append(1) or run(*a))
     with pytest.raises(InvalidBlockTableError, match=r"block_tables\[0, 0\] = 1000000"):
         engine.step()

@@ -17,7 +17,8 @@ from vllmini.errors import EngineStateError, InvalidArgumentError, InvalidTypeEr
 from vllmini.model import LlamaModel
 
 transformers = pytest.importorskip("transformers")
-from llama_cases import assert_greedy, greedy_reference, random_hf_model  # noqa: E402 (needs transformers)
+from engine_faults import corrupt_first_page  # noqa: E402
+from llama_cases import assert_same_greedy, greedy_reference, random_hf_model  # noqa: E402 (needs transformers)
 
 MAX_TOKENS = 16
 PROMPT_LENS = (1, 3, 4, 5, 8, 9, 16, 17)  # around block boundaries of block_size 4
@@ -33,12 +34,6 @@ def prompts():
 def reference(hf64, prompts):
     """transformers' greedy tokens (float64) and top-2 gaps, per prompt."""
     return [greedy_reference(hf64, p, MAX_TOKENS) for p in prompts]
-
-
-def assert_same_greedy(outputs, reference):
-    """Same tokens, except that after a genuine tie in transformers' logits anything may follow."""
-    full = sum(assert_greedy(o.output_token_ids, ref) for o, ref in zip(outputs, reference, strict=True))
-    assert full >= len(reference) - 1  # ties are rare: this cannot pass by accident
 
 
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -812,14 +807,7 @@ def test_a_bad_block_id_seen_by_the_kernel_guard_fails_the_step_and_rolls_it_bac
     engine = LLMEngine(model, block_size=4, num_blocks=32)
     rid = engine.add_request([5, 6, 7, 8, 9], params)
     engine.step()  # the prefill
-    build = engine.runner.prepare_inputs
-
-    def corrupt(out, block_manager):
-        input_ids, positions, meta = build(out, block_manager)
-        meta.block_tables[0, 0] = 10**6  # a page far outside the pool
-        return input_ids, positions, meta
-
-    monkeypatch.setattr(engine.runner, "prepare_inputs", corrupt)
+    corrupt_first_page(engine, monkeypatch)
     with pytest.raises(InvalidBlockTableError, match=r"block_tables\[0, 0\] = 1000000"):
         engine.step()
     monkeypatch.undo()

@@ -8,6 +8,7 @@ at once draws exactly the tokens a per-request sampler draws.
 
 import pytest
 import torch
+from engine_faults import fails_once_per_step
 
 import vllmini.sampling as sampling_module
 from vllmini.engine import LLMEngine, Logprob, SamplingParams, sample_batch
@@ -185,25 +186,14 @@ def _stream(engine, requests, fail=False):
     """add the requests, step to the end; every output per request, in order. fail: the forward of every
     step fails once, after writing the KV cache (the step is rolled back and retried)."""
     ids = [engine.add_request(p, sp) for p, sp in requests]
-    original, failed, outputs = engine.model.forward, set(), {i: [] for i in ids}
-
-    def forward(*args, **kwargs):
-        logits = original(*args, **kwargs)
-        if fail and len(engine.stats) not in failed:
-            failed.add(len(engine.stats))
-            raise RuntimeError("injected")
-        return logits
-
-    engine.model.forward = forward
-    try:
+    outputs = {i: [] for i in ids}
+    with fails_once_per_step(engine, enabled=fail):
         while engine.has_unfinished_requests():
             try:
                 for o in engine.step():
                     outputs[o.request_id].append(o)
             except RuntimeError:
                 continue
-    finally:
-        del engine.model.forward
     return [outputs[i] for i in ids]
 
 

@@ -21,6 +21,7 @@ from vllmini.engine import LLMEngine, SamplingParams, sample_seed, sharing_summa
 from vllmini.errors import InvalidArgumentError, InvalidTypeError, OutOfBlocksError
 
 transformers = pytest.importorskip("transformers")
+from engine_faults import fails_once_per_step  # noqa: E402
 from llama_cases import TIE, assert_greedy, greedy_reference  # noqa: E402 (needs transformers)
 
 BS = 4
@@ -407,28 +408,16 @@ def test_failures_rolled_back_with_sharing(model):
     def run(fail: bool):
         engine = LLMEngine(model, block_size=BS, num_blocks=16, watermark=0.0, enable_prefix_caching=True)
         engine.generate([SYSTEM + [5]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm the cache
-        original, failed = engine.model.forward, set()
-
-        def forward(*args, **kwargs):
-            logits = original(*args, **kwargs)
-            if fail and len(engine.stats) not in failed:
-                failed.add(len(engine.stats))
-                raise RuntimeError("injected after the KV writes")
-            return logits
-
-        engine.model.forward = forward
         for p, sp in requests:
             engine.add_request(p, sp)
         outputs, failures = {}, 0
-        try:
+        with fails_once_per_step(engine, enabled=fail):
             while engine.has_unfinished_requests():
                 try:
                     outputs.update((o.request_id, o) for o in engine.step())
                 except RuntimeError:
                     failures += 1
                 check_pool(engine.scheduler.block_manager)
-        finally:
-            del engine.model.forward  # the model is shared with the other tests
         fields = ("num_prefills", "num_decodes", "num_preemptions", "used_blocks", "num_hit_tokens")
         steps = [tuple(getattr(s, f) for f in fields) for s in engine.stats]
         return {i: [c.token_ids for c in o.outputs] for i, o in outputs.items()}, steps, failures
