@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllmini.checks import as_float, as_index, as_int, as_pair, cdiv, check_tensor
+from vllmini.checks import as_float, as_fraction, as_index, as_int, as_pair, cdiv, check_tensor
 from vllmini.errors import InvalidArgumentError, InvalidIndexError, InvalidTypeError
 
 
@@ -86,3 +86,18 @@ def test_check_tensor_messages():
         check_tensor(t, "x", shape=(None, 4), shape_desc="[rows, 4]")
     with pytest.raises(InvalidArgumentError, match=r"x must be of shape \[2\], got shape \(2, 3\)"):
         check_tensor(t, "x", shape=(2,))
+
+
+@pytest.mark.parametrize(
+    "value, interval, ok",
+    [(0.0, "(0, 1]", False), (1.0, "(0, 1]", True), (0.0, "[0, 1)", True), (1.0, "[0, 1)", False),
+     (-0.1, "[0, 1)", False), (1.5, "(0, 1]", False), (0.5, "(0, 1]", True)],
+)  # fmt: skip
+def test_as_fraction_checks_the_interval_it_names(value, interval, ok):
+    if ok:
+        assert as_fraction(value, "share", interval) == value
+    else:
+        with pytest.raises(
+            InvalidArgumentError, match=rf"share must be in \{interval[0]}0, 1\{interval[-1]}, got"
+        ):
+            as_fraction(value, "share", interval)

@@ -81,6 +81,16 @@ def as_float(
     return value
 
 
+def as_fraction(value, name: str, interval: str) -> float:
+    """`value` as a float in `interval`, "(0, 1]" (a share that must hold something) or "[0, 1)" (a share
+    that must leave something)."""
+    value = as_float(value, name)
+    inside = 0.0 < value <= 1.0 if interval == "(0, 1]" else 0.0 <= value < 1.0
+    if not inside:
+        raise InvalidArgumentError(f"{name} must be in {interval}, got {value}")
+    return value
+
+
 def one_of(value, name: str, choices) -> object:
     """`value` if it is one of `choices`, else an error listing them."""
     if value not in choices:

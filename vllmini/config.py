@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 from vllmini.attention import BACKENDS
-from vllmini.checks import as_bool, as_float, as_int, one_of
+from vllmini.checks import as_bool, as_fraction, as_int, one_of
 from vllmini.errors import InvalidArgumentError, InvalidTypeError
 from vllmini.scheduler import check_policy
 
@@ -67,10 +67,9 @@ class EngineConfig:
             if getattr(self, name) is not None:
                 setattr(self, name, as_int(getattr(self, name), name, min=1))
         if self.gpu_memory_utilization is not None:
-            share = as_float(self.gpu_memory_utilization, "gpu_memory_utilization", max=1.0)
-            if not share > 0.0:
-                raise InvalidArgumentError(f"gpu_memory_utilization must be in (0, 1], got {share}")
-            self.gpu_memory_utilization = share
+            self.gpu_memory_utilization = as_fraction(
+                self.gpu_memory_utilization, "gpu_memory_utilization", "(0, 1]"
+            )
         sizes = [
             n
             for n in ("num_blocks", "kv_cache_memory", "gpu_memory_utilization")
@@ -82,17 +81,11 @@ class EngineConfig:
                 f"exactly one of them (or none for the default), got {sizes}"
             )
         one_of(self.backend, "backend", BACKENDS)
-        check_policy(self.policy)
-        self.watermark = as_float(self.watermark, "watermark", min=0.0)
-        if not self.watermark < 1.0:
-            raise InvalidArgumentError(
-                f"watermark must be a fraction of the pool in [0, 1), got {self.watermark}"
-            )
+        self.watermark = as_fraction(self.watermark, "watermark", "[0, 1)")
         self.max_num_seqs = as_int(self.max_num_seqs, "max_num_seqs", min=1)
         self.seed = as_int(self.seed, "seed")
         self.enable_prefix_caching = as_bool(self.enable_prefix_caching, "enable_prefix_caching")
-        if self.enable_prefix_caching and self.policy != "paged":
-            raise InvalidArgumentError(f"enable_prefix_caching needs policy 'paged', got {self.policy!r}")
+        check_policy(self.policy, self.enable_prefix_caching)
         self.enable_chunked_prefill = as_bool(self.enable_chunked_prefill, "enable_chunked_prefill")
         if self.use_cuda_graphs is not None:
             self.use_cuda_graphs = as_bool(self.use_cuda_graphs, "use_cuda_graphs")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllmini.checks import as_float, as_index, as_int, as_pair, check_tensor
+from vllmini.checks import as_fraction, as_index, as_int, as_pair, check_tensor
 from vllmini.errors import BlockIdError, InvalidArgumentError, InvalidTypeError
 
 CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # what attention can read
@@ -160,11 +160,9 @@ class PagedKVCache:
                     f"memory_bytes={memory_bytes} holds no block: one block needs {per_block} bytes"
                 )
         elif gpu_memory_utilization is not None:
-            share = as_float(gpu_memory_utilization, "gpu_memory_utilization")
+            share = as_fraction(gpu_memory_utilization, "gpu_memory_utilization", "(0, 1]")
             if device.type != "cuda":
                 raise InvalidArgumentError(f"gpu_memory_utilization needs a CUDA device, got device={device}")
-            if not 0.0 < share <= 1.0:
-                raise InvalidArgumentError(f"gpu_memory_utilization must be in (0, 1], got {share}")
             free, _total = torch.cuda.mem_get_info(device)
             num_blocks = int(free * share) // per_block
             if num_blocks < 1:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllmini.checks import as_bool, as_float, as_int, as_token_ids, one_of
+from vllmini.checks import as_bool, as_float, as_fraction, as_int, as_token_ids, one_of
 from vllmini.errors import InvalidArgumentError, InvalidTypeError
 
 GREEDY_BELOW = 1e-5  # temperatures below this count as 0 (greedy): dividing by them overflows (as vLLM)
@@ -57,9 +57,7 @@ class SamplingParams:
         self.temperature = as_float(self.temperature, "temperature (0 = greedy)", min=0.0)
         if self.top_k is not None:
             self.top_k = as_int(self.top_k, "top_k (None = off)", min=1)
-        self.top_p = as_float(self.top_p, "top_p", max=1.0)
-        if not self.top_p > 0.0:
-            raise InvalidArgumentError(f"top_p must be in (0, 1], got {self.top_p}")
+        self.top_p = as_fraction(self.top_p, "top_p", "(0, 1]")
         if self.seed is not None:  # the range torch.Generator.manual_seed takes
             self.seed = as_int(self.seed, "seed", min=-(2**63), max=2**64 - 1)
         self.stop_token_ids = as_token_ids(self.stop_token_ids, "stop_token_ids")

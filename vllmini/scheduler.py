@@ -37,7 +37,7 @@ from itertools import islice
 
 from vllmini import chunked_prefill
 from vllmini.block_manager import BlockManager
-from vllmini.checks import as_bool, as_float, as_int, cdiv, one_of
+from vllmini.checks import as_bool, as_fraction, as_int, cdiv, one_of
 from vllmini.errors import EngineStateError, InvalidArgumentError
 from vllmini.sequence import SchedulerOutput, Sequence, SequenceStatus, as_group
 
@@ -46,9 +46,12 @@ __all__ = ["POLICIES", "Scheduler", "SchedulerOutput", "Sequence", "SequenceStat
 POLICIES = ("paged", "static", "oracle")
 
 
-def check_policy(policy) -> str:
-    """`policy` if it is one of POLICIES (the one place policies are checked)."""
-    return one_of(policy, "policy", POLICIES)
+def check_policy(policy, enable_prefix_caching: bool = False) -> str:
+    """`policy` if it is one of POLICIES and allows `enable_prefix_caching` (the one place for both)."""
+    one_of(policy, "policy", POLICIES)
+    if enable_prefix_caching and policy != "paged":
+        raise InvalidArgumentError(f"enable_prefix_caching needs policy 'paged', got {policy!r}")
+    return policy
 
 
 class Scheduler:
@@ -67,20 +70,17 @@ class Scheduler:
         enable_prefix_caching: bool = False,
         enable_chunked_prefill: bool = False,
     ):
-        check_policy(policy)
+        enable_prefix_caching = as_bool(enable_prefix_caching, "enable_prefix_caching")
+        check_policy(policy, enable_prefix_caching)
         num_blocks = as_int(num_blocks, "num_blocks", min=1)
         block_size = as_int(block_size, "block_size", min=1)
         max_model_len = as_int(max_model_len, "max_model_len", min=1)
         max_num_seqs = as_int(max_num_seqs, "max_num_seqs", min=1)
-        watermark = as_float(watermark, "watermark", min=0.0)
-        if not watermark < 1.0:
-            raise InvalidArgumentError(f"watermark must be a fraction of the pool in [0, 1), got {watermark}")
+        watermark = as_fraction(watermark, "watermark", "[0, 1)")
         if max_num_batched_tokens is not None:
             max_num_batched_tokens = as_int(max_num_batched_tokens, "max_num_batched_tokens", min=1)
         # reservations never grow, so static policies need no headroom
         watermark_blocks = int(watermark * num_blocks) if policy == "paged" else 0
-        if enable_prefix_caching is not False and policy != "paged":
-            raise InvalidArgumentError(f"enable_prefix_caching needs policy 'paged', got {policy!r}")
         self.block_manager = BlockManager(num_blocks, block_size, watermark_blocks, enable_prefix_caching)
         if policy == "static" and cdiv(max_model_len, block_size) > num_blocks:
             raise InvalidArgumentError(

@@ -87,7 +87,6 @@ class Sequence:
         )
 
 
-
 def as_group(seqs: Sequence | list[Sequence]) -> list[Sequence]:
     """A new request's sequences as a list: one `Sequence`, or the n samples of one prompt (distinct
     seq_ids, one request_id, one prompt). Refuses anything else, and a sequence that already ran."""
@@ -106,6 +105,7 @@ def as_group(seqs: Sequence | list[Sequence]) -> list[Sequence]:
             f"{[(s.seq_id, s.request_id) for s in group]}"
         )
     return group
+
 
 @dataclass
 class SchedulerOutput:
