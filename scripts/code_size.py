@@ -88,7 +88,6 @@ LATER: dict[str, tuple[str, ...]] = {
         "vllmini/sampling.py:_draw",
         "vllmini/sampling.py:token_logprobs",
         "vllmini/chunked_prefill.py",
-        "vllmini/scheduler.py:Scheduler.unreached_slots",
         "vllmini/scheduler.py:Scheduler.stall_message",
         "vllmini/sequence.py:Sequence.is_prefilling",
         "vllmini/sequence.py:SchedulerOutput.prefill_end",

@@ -197,8 +197,7 @@ class LLMEngine:
             snapshot, before, out, saved = sched.snapshot(), sched.num_preemptions, None, []
             try:
                 out = sched.schedule()
-                usage = sched.usage()  # the KV memory during this step's forward
-                usage["num_tokens"] -= sched.unreached_slots(out)  # chunked prefill: not written yet
+                usage = sched.usage(out)  # the KV memory during this step's forward
                 if out.is_empty and sched.has_unfinished():
                     raise self._no_progress_error()
                 copies = self._copy_on_write()

@@ -385,11 +385,6 @@ class Scheduler:
             seq.prefill_target, seq.prefill_parent = seq.num_tokens, parents.get(id(seq))
             self.running.append(seq)
 
-    def unreached_slots(self, out: SchedulerOutput) -> int:
-        """Chunked prefill: slots allocated for prompt tokens that no chunk has reached by the end of
-        this step (a forked sample's are its first sample's)."""
-        return chunked_prefill.unreached_slots(self.running, out) if self.enable_chunked_prefill else 0
-
     def mark_computed(self, seq: Sequence, end: int | None = None) -> None:
         """After a step committed: `seq`'s tokens up to `end` (default: all it holds in the cache) are
         computed. With prefix caching, the blocks this completed are named by their hash, for later
@@ -400,8 +395,12 @@ class Scheduler:
         if self.block_manager.prefix_cache is not None and end // bs > start // bs:  # a block filled
             self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.block_hashes, start, end)
 
-    def usage(self) -> dict:
-        """KV memory right now (`BlockManager.usage`): slots holding real tokens vs allocated (reserved)
-        vs in the pool, and what sharing saves (see StepStats). A running sequence holds num_tokens - 1
-        tokens between steps, num_tokens during its forward."""
-        return self.block_manager.usage(sum(s.num_tokens for s in self.running))
+    def usage(self, out: SchedulerOutput | None = None) -> dict:
+        """KV memory (`BlockManager.usage`): slots holding real tokens vs allocated (reserved) vs in the
+        pool, and what sharing saves (see StepStats). A running sequence holds num_tokens - 1 tokens
+        between steps, num_tokens during its forward; during the forward of `out`, prompt slots no chunk
+        has reached yet (chunked prefill) hold nothing."""
+        usage = self.block_manager.usage(sum(s.num_tokens for s in self.running))
+        if out is not None and self.enable_chunked_prefill:
+            usage["num_tokens"] -= chunked_prefill.unreached_slots(self.running, out)
+        return usage
