@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from vllmini.attention import AttentionMetadata, kernel_error_buffer
-from vllmini.checks import as_int
+from vllmini.checks import as_int, cdiv
 from vllmini.errors import InvalidArgumentError
 
 NUM_FIELDS = 4  # input_ids, positions, slot_mapping, seq_lens; then the block tables
@@ -35,7 +35,7 @@ def capture_sizes(max_batch_size: int) -> list[int]:
     max_batch_size itself, rounded up to a multiple of 8 past 8)."""
     m = as_int(max_batch_size, "max_batch_size", min=1, max=MAX_CAPTURE_SIZE)
     sizes = [s for s in (1, 2, 4, 8) if s < m] + list(range(16, m, 8))
-    return sizes + [m if m <= 8 else -(-m // 8) * 8]
+    return sizes + [m if m <= 8 else cdiv(m, 8) * 8]
 
 
 def input_views(buffer: torch.Tensor, b: int, width: int) -> tuple[torch.Tensor, ...]:
