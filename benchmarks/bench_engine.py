@@ -75,6 +75,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from cuda_timing import median_us
 from tqdm.auto import tqdm
 
 from vllmini.engine import LLMEngine, SamplingParams, sharing_summary
@@ -306,16 +307,8 @@ def engine_tokens_per_s(
 
 
 def median_ms(fn, repeats: int) -> float:
-    """Median GPU time of fn() in ms: CUDA events around each call, synchronized after each."""
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    """Median GPU time of fn() in ms (cuda_timing.median_us)."""
+    return median_us(fn, repeats) / 1000
 
 
 def read_bandwidth(device, gib: float = 4.0, repeats: int = 20) -> float:

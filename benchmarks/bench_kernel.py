@@ -21,10 +21,10 @@ bench_attention.py times every version side by side.
 from __future__ import annotations
 
 import argparse
-import statistics
 from pathlib import Path
 
 import torch
+from cuda_timing import median_us
 
 import vllmini
 from vllmini import cuda_kernels
@@ -66,18 +66,10 @@ def check(out, q, kc, vc, bt, sl, num_seqs=2) -> float:
 
 
 def time_us(fn, repeats: int, flush: torch.Tensor) -> float:
+    """One warm-up call, then the median of `repeats` timed calls, each reading K/V from HBM."""
     fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        flush.zero_()  # evict L2: the timed call reads K/V from HBM
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
-    return statistics.median(times)
+    return median_us(fn, repeats, flush)
 
 
 def bench_shape(
