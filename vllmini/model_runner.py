@@ -61,33 +61,19 @@ class ModelRunner:
         )
 
     def _make_kv_cache(self) -> PagedKVCache:
-        c, cfg = self.config, self.model.config
+        c, cfg, dtype = self.config, self.model.config, self.model.dtype
+        layout = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, c.block_size)
         num_blocks, memory, util = c.num_blocks, c.kv_cache_memory, c.gpu_memory_utilization
         if num_blocks is None and memory is None and util is None:
             if self.device.type == "cuda":
                 util = 0.9
             else:  # CPU: room for 8 sequences of max_model_len, at most 1 GiB
-                per_block = PagedKVCache.bytes_per_block(
-                    cfg.num_hidden_layers,
-                    cfg.num_key_value_heads,
-                    cfg.head_dim,
-                    c.block_size,
-                    self.model.dtype,
-                )
-                num_blocks = max(
-                    1, min(8 * cdiv(self.config.max_model_len, c.block_size), 2**30 // per_block)
-                )
+                per_block = PagedKVCache.bytes_per_block(*layout, dtype)
+                num_blocks = max(1, min(8 * cdiv(c.max_model_len, c.block_size), 2**30 // per_block))
         return PagedKVCache(
-            cfg.num_hidden_layers,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-            c.block_size,
-            num_blocks=num_blocks,
-            memory_bytes=memory,
-            gpu_memory_utilization=util,
-            dtype=self.model.dtype,
+            *layout, num_blocks=num_blocks, memory_bytes=memory, gpu_memory_utilization=util, dtype=dtype,
             device=self.device,
-        )
+        )  # fmt: skip
 
     def _resolve_backend(self, backend: str) -> str:
         """The decode backend to use. An explicit one that cannot run this dtype/device fails now, not at
