@@ -2,6 +2,7 @@
 
     python scripts/code_size.py                  # f4320b2 (the first landing) against the working tree
     python scripts/code_size.py --old REV --new REV
+    python scripts/code_size.py --blame          # also: each line by the commit that wrote it (git blame)
 
 The first landing (f4320b2) had the allocator, page tables, the paged KV cache, attention in PyTorch, one
 CUDA kernel, the Llama model, the scheduler with three policies and the engine. Later issues added kernel
@@ -11,12 +12,19 @@ names the code each of them added, as whole modules or as functions, classes and
 counts as first-landing code, including what later issues added inside first-landing functions and module
 docstrings (so the first-landing figure is an upper bound). Lines are physical lines (as `wc -l`); "code"
 leaves out blank, comment and docstring lines. The emulator's Python (vllmini/emulator/) is counted apart.
+
+--blame is the finer count: `git blame -w -M -C -C` names the commit that wrote each line (following code
+moved or copied between files), and COMMITS says whose work each commit since the first landing was. A
+line still as it was at the first landing, or written by issue 12's own refactors, is first-landing code;
+a line written by a later issue's commit, or inside a LATER symbol, is that issue's. A few commits did
+issue 12's refactor and a later feature at once ("mixed"); the table shows their lines on their own row.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import re
 import subprocess
 from collections import defaultdict
 from pathlib import Path
@@ -124,6 +132,31 @@ LATER: dict[str, tuple[str, ...]] = {
 }
 
 
+# Whose work each commit since the first landing was that still owns lines in vllmini/*.py (7-digit
+# prefixes). "12" is issue 12's own refactoring; "mixed" did issue 12's refactor and a later feature in
+# one commit. A commit not listed (merges, anything newer than this table) counts as issue 12's.
+_COMMITS = {
+    "12": """d6b8ed4 1fbce03 01e3ebb 2d439a3 0e7cba0 aaabf37 072575c 059c855 e83aae3 f9c4f7f 8f9a5b8
+        22ca2e7 202c69a 72c8440 070a5a6 6f15518 dde5560 be70dd5 ea96e36 279a455 1c197af 167752b fe8d3cc
+        303eebd 19dda1b e73bef3 9e874de 8fadae7 226ad06 6d9c4bb e8e0dc2 c29918b 9070748 8eba7df bb57e2a
+        1fb98e2 d68204c db0b1c8 61e272a a3e7272 2f449e6 118fffb ecbb790 cea7f09 9f214b8 11875f1 e8f197d
+        469f54e 7487413 eb3a1cf""",
+    "mixed": "9cb3ab7 353c476 20fc288 cfff10e",
+    "8 fast kernel": "04b2201 1266bf5 547cab6 3e60b2a fb90e65 d8b05a0 f4b2fe1 4426679",
+    "9 CUDA chapter": "f8a6909 3bc0f6f 7a468ba 4f31ffe bb9bd3b",
+    "10 sharing": """a9595dc 814a8d5 1cd6b16 5b194da 1788f99 6dd0f82 5df3a0e c62e656 8b3736e 6d8c427
+        20d3778 645dd05""",
+    "11 learner's path": "caf657c 85d1cfb 829c73a 199532a ece9e18 5054829 aa97fe2 283240b 33cdfd4",
+    "13 engine under load": """0cfe2d0 83a77b9 b8291e2 53d1006 5ea3a69 d98c6e4 9ab5591 b42c820 28d44e6
+        3b8435c b0d8a1a e853a71 a4f2371 43478b4 b5dfb24 df54def f312512 c1c87e7 4b21641 8152cff""",
+    "14 explorer in a browser": """4936022 905ecd9 56f4dfc 9991abe ba1dfe9 fdbb5f0 addd0c0 262f803 715c1f6
+        29f0b2e 4073ed4 b257b4b b612e7c""",
+    "15 nothing lost, nothing hangs": "3a9a1b8",
+}
+COMMITS = {sha: issue for issue, shas in _COMMITS.items() for sha in shas.split()}
+BLAME_HEADER = re.compile(r"^([0-9a-f]{40}) \d+ \d+")
+
+
 def read_tree(rev: str | None) -> dict[str, str]:
     """path -> text of every vllmini/*.py at `rev` (None: the working tree)."""
     if rev is None:
@@ -191,17 +224,34 @@ def owners(path: str, text: str) -> list[str]:
     return owner[1:]
 
 
-def count(files: dict[str, str], later: bool) -> dict:
-    """[lines, code lines] per (file, owner)."""
+def blamed_owners(path: str, text: str, rev: str | None, first_landing: set[str]) -> list[str]:
+    """For each line of `path`: its LATER issue if it has one, else "unchanged" (as at the first landing),
+    else whose work the commit that wrote it was (COMMITS: "12", "mixed" or a later issue)."""
+    cmd = ["git", "blame", "-w", "-M", "-C", "-C", "--line-porcelain", *([rev] if rev else []), "--", path]
+    out = subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    shas = [m.group(1) for m in map(BLAME_HEADER.match, out.splitlines()) if m]
+    return [
+        issue or ("unchanged" if sha in first_landing else COMMITS.get(sha[:7], "12"))
+        for issue, sha in zip(owners(path, text), shas, strict=True)
+    ]
+
+
+def count(files: dict[str, str], later: bool, who=None) -> dict:
+    """[lines, code lines] per (file, owner); owners from `who(path, text)`, else LATER (or none)."""
     totals: dict = defaultdict(lambda: [0, 0])
     for path, text in files.items():
         lines = text.splitlines()
         skip = docstring_lines(ast.parse(text))
-        who = owners(path, text) if later else [""] * len(lines)
+        if who is None:
+            who_of = owners(path, text) if later else [""] * len(lines)
+        else:
+            who_of = who(path, text)
         for i, line in enumerate(lines, 1):
             stripped = line.strip()
-            totals[(path, who[i - 1])][0] += 1
-            totals[(path, who[i - 1])][1] += bool(stripped) and not stripped.startswith("#") and i not in skip
+            totals[(path, who_of[i - 1])][0] += 1
+            totals[(path, who_of[i - 1])][1] += (
+                bool(stripped) and not stripped.startswith("#") and i not in skip
+            )
     return totals
 
 
@@ -239,6 +289,9 @@ def main() -> None:
     parser.add_argument("--old", default=FIRST_LANDING, help="the first landing's commit")
     parser.add_argument("--new", default=None, help="a commit (default: the working tree)")
     parser.add_argument("--by-file", action="store_true", help="also each file: first-landing and later code")
+    parser.add_argument(
+        "--blame", action="store_true", help="also the count by the commit that wrote each line"
+    )
     args = parser.parse_args()
     old, new = read_tree(args.old), read_tree(args.new)
     check_later(new)
@@ -262,6 +315,40 @@ def main() -> None:
         was, now = sums(before, lambda p, o: p), sums(after, lambda p, o: (p, bool(o)))
         for path in sorted(set(was) | {p for p, _ in now}):
             print(row(path, was.get(path), now.get((path, False)), now.get((path, True))))
+
+    if args.blame:
+        print_blame(args, before)
+
+
+BLAME_ROWS = (
+    ("unchanged", "  unchanged since the first landing"),
+    ("12", "  written by issue 12's refactors"),
+    ("mixed", "  written by commits mixing 12 with a later feature"),
+)
+
+
+def print_blame(args, before: dict) -> None:
+    """The table again, each line owned by the commit that wrote it (see the module docstring)."""
+    first = set(_git("rev-list", args.old).split())
+    new = read_tree(args.new)
+    after = count(new, later=True, who=lambda path, text: blamed_owners(path, text, args.new, first))
+    was = sums(before, lambda p, o: where(p))
+    now = sums(after, lambda p, o: (where(p), o))
+    print("\nBy git blame (-w -M -C -C): lines (code lines)\n")
+    print(f"| | {args.old} | {args.new or 'now'} |\n|---|---|---|")
+    for part in ("package", "emulator"):
+        first_rows = [now[(part, key)] for key, _ in BLAME_ROWS if (part, key) in now]
+        print(f"| **{part}** | | |")
+        print(row("first-landing features", was[part], [sum(r[k] for r in first_rows) for k in (0, 1)]))
+        for key, label in BLAME_ROWS:
+            print(row(label, None, now.get((part, key))))
+        for issue in LATER:
+            if (part, issue) in now:
+                print(row(f"added by issue {issue}", None, now[(part, issue)]))
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, check=True, capture_output=True, text=True).stdout
 
 
 if __name__ == "__main__":
