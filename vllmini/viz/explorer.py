@@ -2,10 +2,8 @@
 
 A learner adds sequences (new tokens, or starting with another sequence's tokens: a prefix-cache hit
 shares its full blocks), appends tokens (copy-on-write when the last block is shared), forks a sequence
-into n samples (parallel sampling), frees one (its full blocks stay cached but free), runs a decode step
-(every sequence samples one token) and watches the picture: several arrows into one shared page, its
-reference count, the copy just made (source -> copy, highlighted), cached-but-free pages hatched.
-The state and its messages live in `PageTablePlayground`; widgets and the drawing thread in
+into n samples, frees one (its full blocks stay cached but free), runs a decode step, and watches the
+picture. The state and its messages live in `playground`; widgets and the drawing thread in
 `explorer_widgets`.
 """
 
@@ -172,14 +170,8 @@ class PageTableExplorer(BackgroundPainter):
         setattr(self.num_tokens, flag, not getattr(self.num_tokens, flag))
 
     def _on_click(self, change) -> None:
-        action = change["name"].removesuffix("_click")
-        {
-            "add": self.add_sequence,
-            "append": self.append,
-            "fork": self.fork,
-            "free": self.free,
-            "step": self.step,
-        }[action]()
+        action = change["name"].removesuffix("_click")  # every action's method has its name, but add's
+        getattr(self, "add_sequence" if action == "add" else action)()
 
     # ---- helpers
 

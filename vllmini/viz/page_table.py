@@ -129,12 +129,8 @@ def draw_page_table(
     filled cell is the token index). Right: the physical pool (the number in a cell is its slot id,
     block_id * block_size + offset). Arrows: logical -> physical; dashed black arcs: copy-on-write.
     Returns the matplotlib Figure; pass `fig=` to redraw into an existing figure or `ax=` to draw into
-    an existing Axes. `options` go to `page_table_layout`:
-
-    seq_ids (which sequences to draw), colors ({seq_id: colour}), title ("" for none), show_numbers,
-    max_pool_rows=16, max_blocks=64, max_seq_blocks=8, max_seqs=16 (the rest is summarized),
-    highlight (pool blocks to mark), copies ((src, dst) pairs already taken from the tables, drawn
-    with their pending copies).
+    an existing Axes. `options` (seq_ids, colors, title, show_numbers, the max_* limits, highlight,
+    copies) go to `page_table_layout`, which says what each does.
     """
     import matplotlib.pyplot as plt
 

@@ -3,8 +3,7 @@
 `page_table_layout(manager)` returns a `PageTableLayout`: one `Box` per drawn block (each sequence's
 logical blocks on the left, the physical pool on the right), one `Arrow` per logical -> physical mapping
 and per copy-on-write pair (source -> copy), the `Label`s, the legend and the figure's extent.
-`vllmini.viz.page_table` paints it; tests read it directly. In data units a token slot is `cell` wide and
-block rows are 1 apart, row 0 at the top.
+`vllmini.viz.page_table` paints it; tests read it directly. Positions come from `page_table_places`.
 
 What a physical block looks like is decided in one place, `_pool_style`, by its kind:
 "used" (one owner), "shared" (several: black frame, one stripe per owner, "shared ×N" = its reference
