@@ -33,15 +33,12 @@ def _locked(method):
 class PageTableExplorer(BackgroundPainter):
     """Add, grow, fork, free and step sequences with buttons and watch the page table change.
 
-    The picture is a PNG in an `ipywidgets.Image`, redrawn into one reused Figure after every action
-    and shown at its natural size (rendered at 2x for sharp text), so it updates in place (no flicker,
-    no ipympl needed). The status line and the picture are updated together, after the drawing. Errors
-    such as running out of blocks are shown in the status line (and kept in `last_error`), never
-    raised, and leave state and picture unchanged. A click right after typing always uses the typed
-    number (see `build_controls`); `click(name)` clicks a button from code. In a Jupyter kernel the
-    drawing runs on a worker thread (`background`), so clicks are answered at once; `wait()` blocks
-    until the picture shows the current state. `prefix_caching=False` runs the pool without a prefix
-    cache (freed blocks are plainly free).
+    The picture is a PNG in an `ipywidgets.Image`, redrawn after every action, so it updates in place
+    (no flicker, no ipympl needed). Errors such as running out of blocks are shown in the status line
+    (and kept in `last_error`), never raised, and leave state and picture unchanged. `click(name)`
+    clicks a button from code; in a Jupyter kernel the drawing runs on a worker thread (`background`)
+    and `wait()` blocks until the picture shows the current state. `prefix_caching=False` runs the pool
+    without a prefix cache (freed blocks are plainly free).
     """
 
     def __init__(
