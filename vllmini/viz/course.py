@@ -145,15 +145,10 @@ def plot_token_shares(
                    hatch=None if snap == "done" else "//", label=label)  # fmt: skip
             bar += 1
     paper = [paper_share[s] for s in schemes]
-    ax.bar(
-        x + len(workloads) * width,
-        paper,
-        width,
-        color="#555555",
-        label="paper, measured while serving (Fig. 2)",
-    )
-    for xi, p in zip(x, paper, strict=True):
-        ax.text(xi + len(workloads) * width, p + 0.015, f"{p:.1%}", ha="center", fontsize=8)
+    paper_x = x + len(workloads) * width
+    ax.bar(paper_x, paper, width, color="#555555", label="paper, measured while serving (Fig. 2)")
+    for xi, p in zip(paper_x, paper, strict=True):
+        ax.text(xi, p + 0.015, f"{p:.1%}", ha="center", fontsize=8)
     names = {"static": "static\nOrca (Max)", "pow2": "pow2\nOrca (Pow2)", "oracle": "oracle\nOrca (Oracle)",
              "paged": f"paged (block {block_size})\nvLLM"}  # fmt: skip
     ax.set_xticks(x, [names.get(s, s) for s in schemes])
