@@ -206,12 +206,10 @@ def plot_length_sweeps(
                 ax.minorticks_off()
     axes[0, 0].set_title(f"vary max_len (paged: block {block_size})")
     axes[0, 1].set_title(f"vary block_size (paged; static at max_len {default_max_len})")
-    axes[1, 0].set_xticks(list(max_lens), [str(m) for m in max_lens])
-    axes[1, 1].set_xticks(list(block_sizes), [str(b) for b in block_sizes])
-    axes[1, 0].set_xlabel("max_len (tokens)")
-    axes[1, 1].set_xlabel("block_size (tokens)")
-    axes[0, 0].legend(frameon=False, fontsize=8)
-    axes[0, 1].legend(frameon=False, fontsize=8)
+    for col, (xs, name) in enumerate([(max_lens, "max_len"), (block_sizes, "block_size")]):
+        axes[1, col].set_xticks(list(xs), [str(v) for v in xs])
+        axes[1, col].set_xlabel(f"{name} (tokens)")
+        axes[0, col].legend(frameon=False, fontsize=8)
     fig.tight_layout()
     return fig
 
