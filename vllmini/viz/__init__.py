@@ -62,12 +62,11 @@ from vllmini.viz.style import (
     PROMPT_FACE,
     ROW_HEIGHT,
     SCHEME_COLORS,
-    H,
     seq_color,
 )
 
 __all__ = [
-    "CACHED_EDGE", "CACHED_FACE", "EMPTY_EDGE", "EMPTY_FACE", "FREE_EDGE", "FREE_FACE", "H", "HIGHLIGHT",
+    "CACHED_EDGE", "CACHED_FACE", "EMPTY_EDGE", "EMPTY_FACE", "FREE_EDGE", "FREE_FACE", "HIGHLIGHT",
     "OUTPUT_FACE", "PALETTE", "PIPELINE", "POLICY_COLORS", "PROMPT_FACE", "ROW_HEIGHT", "SCHEME_COLORS",
     "TIMELINE_STATES", "WARP_SIZE", "PageTableExplorer", "PageTableLayout", "butterfly_steps",
     "draw_butterfly", "draw_causal_mask", "draw_cuda_hierarchy", "draw_flat_batch", "draw_online_softmax",

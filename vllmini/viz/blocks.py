@@ -15,6 +15,7 @@ import torch
 
 from vllmini.checks import as_int, check_tensor
 from vllmini.errors import InvalidArgumentError, InvalidTypeError
+from vllmini.viz.style import bare
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -49,18 +50,15 @@ def draw_pool_history(
     for row, (label, refs, free) in enumerate(rows):
         for b, r in enumerate(refs):
             face = FREE if r == 0 else (ONE_OWNER if r == 1 else SHARED)
-            ax.add_patch(
-                Rectangle((b, row), 0.9, 0.8, facecolor=face, edgecolor="#999999" if r == 0 else face)
-            )
-            ink = "#888888" if r == 0 else "white"
+            edge, ink = ("#999999", "#888888") if r == 0 else (face, "white")
+            ax.add_patch(Rectangle((b, row), 0.9, 0.8, facecolor=face, edgecolor=edge))
             ax.text(
                 b + 0.45, row + 0.32, str(b), ha="center", va="center", fontsize=10, color=ink, weight="bold"
             )
             ax.text(b + 0.45, row + 0.64, f"rc {r}", ha="center", va="center", fontsize=7, color=ink)
         ax.text(-0.2, row + 0.4, label, ha="right", va="center", fontsize=9, family="monospace")
-        ax.text(
-            num_blocks + 0.2, row + 0.4, f"free list: {list(free)}", va="center", fontsize=9, color="#555555"
-        )
+        free_list = f"free list: {list(free)}"
+        ax.text(num_blocks + 0.2, row + 0.4, free_list, va="center", fontsize=9, color="#555555")
     ax.set_xlim(-4.6, num_blocks + 5.4)
     ax.set_ylim(len(rows), -0.3)
     ax.set_axis_off()
@@ -104,11 +102,9 @@ def draw_slots_read(
     for b in range(num_blocks):
         for o in range(block_size):
             s, t = owner.get((b, o), (None, None))
-            face = (
-                SEQ_COLORS[s % len(SEQ_COLORS)]
-                if s is not None
-                else ("lightgrey" if written[b, o] else "white")
-            )
+            face = "lightgrey" if written[b, o] else "white"  # nobody's token: written earlier, or never
+            if s is not None:
+                face = SEQ_COLORS[s % len(SEQ_COLORS)]
             ax.add_patch(Rectangle((o, -b), 1, 1, facecolor=face, edgecolor="grey", alpha=0.55))
             ax.text(o + 0.5, -b + 0.5, "NaN" if s is None else f"{names[s]}{t}", ha="center", va="center",
                     fontsize=8, color="grey" if s is None else "black")  # fmt: skip
@@ -117,10 +113,8 @@ def draw_slots_read(
         ax.text(-0.2, -b + 0.5, f"page {b}", ha="right", va="center", fontsize=8)
     ax.set_xlim(-1.6, block_size)
     ax.set_ylim(-num_blocks + 1, 1)
-    ax.set_xticks(
-        [o + 0.5 for o in range(block_size)], [f"offset {o}" for o in range(block_size)], fontsize=8
-    )
+    offsets = range(block_size)
+    ax.set_xticks([o + 0.5 for o in offsets], [f"offset {o}" for o in offsets], fontsize=8)
     ax.set_yticks([])
-    for side in ("top", "right", "left"):
-        ax.spines[side].set_visible(False)
+    bare(ax)
     return ax

@@ -38,14 +38,10 @@ def draw_reservations(
     static = [max_len] * len(requests)
     paged = [cdiv(i + o, block_size) * block_size for i, o in requests]
     fig, axes = plt.subplots(2, 1, figsize=figsize)
+    paged_title = f"paged (block_size {block_size}): {tokens} of {sum(paged)} slots hold tokens"
     panels = [
         (axes[0], static, None, f"static: {max_len} slots each, {tokens} of {sum(static)} hold tokens"),
-        (
-            axes[1],
-            paged,
-            block_size,
-            f"paged (block_size {block_size}): {tokens} of {sum(paged)} slots hold tokens",
-        ),
+        (axes[1], paged, block_size, paged_title),
     ]
     width = max(max_len, max(paged))
     for ax, reserve, bs, title in panels:
@@ -149,15 +145,10 @@ def plot_token_shares(
                    hatch=None if snap == "done" else "//", label=label)  # fmt: skip
             bar += 1
     paper = [paper_share[s] for s in schemes]
-    ax.bar(
-        x + len(workloads) * width,
-        paper,
-        width,
-        color="#555555",
-        label="paper, measured while serving (Fig. 2)",
-    )
-    for xi, p in zip(x, paper, strict=True):
-        ax.text(xi + len(workloads) * width, p + 0.015, f"{p:.1%}", ha="center", fontsize=8)
+    paper_x = x + len(workloads) * width
+    ax.bar(paper_x, paper, width, color="#555555", label="paper, measured while serving (Fig. 2)")
+    for xi, p in zip(paper_x, paper, strict=True):
+        ax.text(xi, p + 0.015, f"{p:.1%}", ha="center", fontsize=8)
     names = {"static": "static\nOrca (Max)", "pow2": "pow2\nOrca (Pow2)", "oracle": "oracle\nOrca (Oracle)",
              "paged": f"paged (block {block_size})\nvLLM"}  # fmt: skip
     ax.set_xticks(x, [names.get(s, s) for s in schemes])
@@ -189,9 +180,8 @@ def plot_length_sweeps(
 
     workloads = list(dict.fromkeys(key[0] for key in sweep))
     fig, axes = plt.subplots(2, 2, figsize=figsize, sharex="col")
-    for row, metric in enumerate(
-        ["share of reserved slots holding tokens", f"requests that fit in {budget_label}"]
-    ):
+    metrics = ["share of reserved slots holding tokens", f"requests that fit in {budget_label}"]
+    for row, metric in enumerate(metrics):
         for workload, ls in zip(workloads, ("-", "--"), strict=False):
             for s in ("static", "paged"):
                 color = SCHEME_COLORS[s]
@@ -216,12 +206,10 @@ def plot_length_sweeps(
                 ax.minorticks_off()
     axes[0, 0].set_title(f"vary max_len (paged: block {block_size})")
     axes[0, 1].set_title(f"vary block_size (paged; static at max_len {default_max_len})")
-    axes[1, 0].set_xticks(list(max_lens), [str(m) for m in max_lens])
-    axes[1, 1].set_xticks(list(block_sizes), [str(b) for b in block_sizes])
-    axes[1, 0].set_xlabel("max_len (tokens)")
-    axes[1, 1].set_xlabel("block_size (tokens)")
-    axes[0, 0].legend(frameon=False, fontsize=8)
-    axes[0, 1].legend(frameon=False, fontsize=8)
+    for col, (xs, name) in enumerate([(max_lens, "max_len"), (block_sizes, "block_size")]):
+        axes[1, col].set_xticks(list(xs), [str(v) for v in xs])
+        axes[1, col].set_xlabel(f"{name} (tokens)")
+        axes[0, col].legend(frameon=False, fontsize=8)
     fig.tight_layout()
     return fig
 
@@ -320,21 +308,12 @@ def draw_pipeline(*, figsize: tuple[float, float] = (15, 3.2)) -> Figure:
                                     alpha=0.18, edgecolor=PALETTE[i % 9], lw=2))  # fmt: skip
         ax.text(x + 0.8, 1.05, name, ha="center", va="center", fontsize=10, weight="bold", family="monospace")
         ax.text(x + 0.8, 0.55, what, ha="center", va="center", fontsize=8)
-        ax.text(
-            x + 0.8,
-            -0.25,
-            f"notebook{'s' if ',' in nb else ''} {nb}",
-            ha="center",
-            va="center",
-            fontsize=8,
-            color="#555555",
-        )
+        notebooks = f"notebook{'s' if ',' in nb else ''} {nb}"
+        ax.text(x + 0.8, -0.25, notebooks, ha="center", va="center", fontsize=8, color="#555555")
         if i < num_boxes - 1:
             ax.annotate("", (x + 1.88, 0.65), (x + 1.66, 0.65), arrowprops=dict(arrowstyle="->", lw=1.5))
-    flow = "  ->  ".join(
-        ["block ids", "page tables", "KV cache", "attention", "model", "scheduler", "engine", "serving"]
-    )
-    ax.text(0, 1.7, flow, fontsize=9, color="#555555")
+    layers = ["block ids", "page tables", "KV cache", "attention", "model", "scheduler", "engine", "serving"]
+    ax.text(0, 1.7, "  ->  ".join(layers), fontsize=9, color="#555555")
     ax.set_xlim(-0.2, num_boxes * 1.9)
     ax.set_ylim(-0.5, 1.95)
     ax.set_axis_off()
@@ -365,6 +344,3 @@ def plot_requests_that_fit(
         ax.legend(frameon=False, fontsize=8)
     fig.tight_layout()
     return fig
-
-
-# ---- CUDA pictures (notebook 05)

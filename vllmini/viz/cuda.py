@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from vllmini.errors import InvalidArgumentError
-from vllmini.viz.style import PALETTE
+from vllmini.viz.style import PALETTE, bare
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -46,9 +46,8 @@ def draw_cuda_hierarchy(grid: tuple[int, int] = (4, 2), threads: int = 128, figs
     for lane in range(WARP_SIZE):  # one warp: its lanes
         r, c = divmod(lane, 8)
         wa.add_patch(Rectangle((c, r), 0.92, 0.9, fc=PALETTE[2], alpha=0.8, ec="black"))
-        wa.text(
-            c + 0.46, r + 0.45, f"lane {lane}\nt={WARP_SIZE + lane}", ha="center", va="center", fontsize=7
-        )
+        text = f"lane {lane}\nt={WARP_SIZE + lane}"
+        wa.text(c + 0.46, r + 0.45, text, ha="center", va="center", fontsize=7)
     wa.set(xlim=(-0.05, 8), ylim=(4.1, -0.1), xticks=[], yticks=[])
     wa.set_title(
         "warp 1: 32 lanes (t = threadIdx.x), one instruction at a time\n"
@@ -56,9 +55,8 @@ def draw_cuda_hierarchy(grid: tuple[int, int] = (4, 2), threads: int = 128, figs
     )
     for (src, dst, xy_a, xy_b) in ((ga, ba, (1.9, 0.0), (0, 0)), (ga, ba, (1.9, 0.9), (0, warps + 0.8)),
                                    (ba, wa, (1, 1), (0, 0)), (ba, wa, (1, 1.85), (0, 4))):  # fmt: skip
-        fig.add_artist(
-            ConnectionPatch(xy_a, xy_b, "data", "data", axesA=src, axesB=dst, color="grey", lw=0.8)
-        )
+        line = ConnectionPatch(xy_a, xy_b, "data", "data", axesA=src, axesB=dst, color="grey", lw=0.8)
+        fig.add_artist(line)
     fig.tight_layout()
     return fig
 
@@ -101,8 +99,7 @@ def draw_butterfly(values, lane: int = 0, figsize=(14, 5.2)) -> Figure:
     ax.set_yticklabels(["start"] + [f"after step {s}" for s in range(1, len(rows))])
     ax.set_title(f"the butterfly: 5 shuffles, and every lane holds the sum {rows[-1][0]:g} "
                  f"(red: the values lane {lane} adds)")  # fmt: skip
-    for side in ("top", "right"):
-        ax.spines[side].set_visible(False)
+    bare(ax, keep=("bottom", "left"))
     fig.tight_layout()
     return fig
 
@@ -200,12 +197,9 @@ def draw_page_reads(block_size: int = 16, head_size: int = 128, figsize=(14, 7.5
     for ax, (kernel, title) in zip(axes, panels, strict=True):
         owner = page_read_owner(kernel, block_size, head_size)
         ax.imshow(owner, cmap="viridis", aspect="auto", interpolation="nearest")
-        if kernel == "1":
-            ax.add_patch(Rectangle((-0.5, -0.5), 1, block_size, fill=False, ec="red", lw=2))
-        elif kernel == "2":
-            ax.add_patch(Rectangle((-0.5, -0.5), WARP_SIZE, 1, fill=False, ec="red", lw=2))
-        else:
-            ax.add_patch(Rectangle((-0.5, -0.5), head_size, 1, fill=False, ec="red", lw=2))
+        # what one warp instruction reads: a column (kernel 1), 32 floats of a row (2), a whole row (3)
+        width, height = {"1": (1, block_size), "2": (WARP_SIZE, 1), "3": (head_size, 1)}[kernel]
+        ax.add_patch(Rectangle((-0.5, -0.5), width, height, fill=False, ec="red", lw=2))
         ax.set_title(title, fontsize=9, loc="left")
         ax.set_ylabel("slot (token)")
         ax.set_yticks(range(0, block_size, 4))
@@ -233,8 +227,8 @@ def draw_token_mapping(
 
     import matplotlib.pyplot as plt
 
-    rng = random.Random(seed)
-    pages = rng.sample(range(4 * math.ceil(seq_len / block_size)), math.ceil(seq_len / block_size))
+    num_pages = math.ceil(seq_len / block_size)
+    pages = random.Random(seed).sample(range(4 * num_pages), num_pages)
     fig, ax = plt.subplots(figsize=figsize)
     for t in range(seq_len):
         row, col = divmod(t, block_size)

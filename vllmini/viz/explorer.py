@@ -2,10 +2,8 @@
 
 A learner adds sequences (new tokens, or starting with another sequence's tokens: a prefix-cache hit
 shares its full blocks), appends tokens (copy-on-write when the last block is shared), forks a sequence
-into n samples (parallel sampling), frees one (its full blocks stay cached but free), runs a decode step
-(every sequence samples one token) and watches the picture: several arrows into one shared page, its
-reference count, the copy just made (source -> copy, highlighted), cached-but-free pages hatched.
-The state and its messages live in `PageTablePlayground`; widgets and the drawing thread in
+into n samples, frees one (its full blocks stay cached but free), runs a decode step, and watches the
+picture. The state and its messages live in `playground`; widgets and the drawing thread in
 `explorer_widgets`.
 """
 
@@ -35,15 +33,12 @@ def _locked(method):
 class PageTableExplorer(BackgroundPainter):
     """Add, grow, fork, free and step sequences with buttons and watch the page table change.
 
-    The picture is a PNG in an `ipywidgets.Image`, redrawn into one reused Figure after every action
-    and shown at its natural size (rendered at 2x for sharp text), so it updates in place (no flicker,
-    no ipympl needed). The status line and the picture are updated together, after the drawing. Errors
-    such as running out of blocks are shown in the status line (and kept in `last_error`), never
-    raised, and leave state and picture unchanged. A click right after typing always uses the typed
-    number (see `build_controls`); `click(name)` clicks a button from code. In a Jupyter kernel the
-    drawing runs on a worker thread (`background`), so clicks are answered at once; `wait()` blocks
-    until the picture shows the current state. `prefix_caching=False` runs the pool without a prefix
-    cache (freed blocks are plainly free).
+    The picture is a PNG in an `ipywidgets.Image`, redrawn after every action, so it updates in place
+    (no flicker, no ipympl needed). Errors such as running out of blocks are shown in the status line
+    (and kept in `last_error`), never raised, and leave state and picture unchanged. `click(name)`
+    clicks a button from code; in a Jupyter kernel the drawing runs on a worker thread (`background`)
+    and `wait()` blocks until the picture shows the current state. `prefix_caching=False` runs the pool
+    without a prefix cache (freed blocks are plainly free).
     """
 
     def __init__(
@@ -172,14 +167,8 @@ class PageTableExplorer(BackgroundPainter):
         setattr(self.num_tokens, flag, not getattr(self.num_tokens, flag))
 
     def _on_click(self, change) -> None:
-        action = change["name"].removesuffix("_click")
-        {
-            "add": self.add_sequence,
-            "append": self.append,
-            "fork": self.fork,
-            "free": self.free,
-            "step": self.step,
-        }[action]()
+        action = change["name"].removesuffix("_click")  # every action's method has its name, but add's
+        getattr(self, "add_sequence" if action == "add" else action)()
 
     # ---- helpers
 

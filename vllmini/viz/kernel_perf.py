@@ -31,9 +31,8 @@ def plot_decode_roofline(
     ax.text(peak_flops / read_bw * 3, peak_flops / 1e12 / 2, flat, fontsize=8)
     for i, (name, intensity) in enumerate(points.items()):
         y = min(peak_flops, intensity * read_bw) / 1e12
-        ax.plot(
-            [intensity], [y], "o", color=PALETTE[i % len(PALETTE)], label=f"{name}: {intensity:.1f} FLOP/B"
-        )
+        label = f"{name}: {intensity:.1f} FLOP/B"
+        ax.plot([intensity], [y], "o", color=PALETTE[i % len(PALETTE)], label=label)
     ax.set_xlabel("arithmetic intensity (FLOP per byte read)")
     ax.set_ylabel("attainable TFLOP/s")
     ax.legend(fontsize=8, loc="lower right")

@@ -1,14 +1,9 @@
 """The page-table picture: `draw_page_table(manager)` paints what `page_table_layout` decided.
 
-Left: each sequence's logical blocks; right: the physical pool; arrows from every logical block to the
-physical block that holds it. Each sequence has one colour in both views; filled token slots are
-coloured, empty ones white. A page several sequences point at (after a fork, or a prefix-cache hit) has
-several arrows, a black frame, one stripe per owner and its reference count ("shared ×3"); a copy-on-write
-is a dashed arrow from the source page to its copy; free pages are dashed grey, and pages that are free
-but still hold a cached prefix are hatched teal. Big pools and long sequences are cut to what fits.
-
-Viz only reads: it never changes the manager, tables or allocator it draws. matplotlib is imported
-inside the functions, so `import vllmini` stays light.
+Left: each sequence's logical blocks; right: the physical pool; an arrow from every logical block to the
+physical block that holds it, one colour per sequence in both views. Read `page_table_layout` for what
+each block looks like (shared, copy-on-write, free, cached); this file only paints. It never changes
+the manager, tables or allocator it draws.
 """
 
 from __future__ import annotations
@@ -23,6 +18,10 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
+MAP_ARROW = {"mutation_scale": 11, "lw": 1.3, "alpha": 0.85, "zorder": 0.5}  # under the blocks: hides no cell
+COPY_ARROW = {"connectionstyle": "arc3,rad=-0.5", "mutation_scale": 10, "lw": 1.2, "ls": "--", "zorder": 3}
+LEGEND = {"fontsize": 8, "frameon": False, "handlelength": 2.2, "borderaxespad": 0, "columnspacing": 1.5}
+
 
 def _paint_box(ax, box: Box, dividers: list) -> None:
     """One block: its filled slots (one stripe per owner), empty slots, slot numbers, a frame."""
@@ -35,33 +34,16 @@ def _paint_box(ax, box: Box, dividers: list) -> None:
             ax.add_artist(Rectangle((box.x, box.y + k * stripe), filled_w, stripe, fc=color, lw=0))
     if filled_w < box.width:  # the empty slots: white, also over a highlight
         ax.add_artist(
-            Rectangle((box.x + filled_w, box.y), box.width - filled_w, ROW_HEIGHT, fc=box.empty_face, lw=0)
+            Rectangle((box.x + filled_w, box.y), box.width - filled_w, ROW_HEIGHT, fc="white", lw=0)
         )
     plain = box.kind in ("free", "cached")  # slots of a free block hold nobody's tokens: grey text
     dividers.append((box, plain))
     for j, num in enumerate(box.numbers or ()):
         color = "white" if j < box.filled and not plain else "#999999"
-        ax.text(
-            box.x + (j + 0.5) * box.cell,
-            box.y + ROW_HEIGHT / 2,
-            str(num),
-            ha="center",
-            va="center",
-            fontsize=7,
-            color=color,
-        )
-    frame = Rectangle(
-        (box.x, box.y),
-        box.width,
-        ROW_HEIGHT,
-        fill=False,
-        ec=box.frame,
-        lw=box.linewidth,
-        ls=box.linestyle,
-        gid=box.gid,
-        hatch=box.hatch,
-    )
-    ax.add_artist(frame)
+        x, y = box.x + (j + 0.5) * box.cell, box.y + ROW_HEIGHT / 2
+        ax.text(x, y, str(num), ha="center", va="center", fontsize=7, color=color)
+    style = {"ec": box.frame, "lw": box.linewidth, "ls": box.linestyle, "hatch": box.hatch}
+    ax.add_artist(Rectangle((box.x, box.y), box.width, ROW_HEIGHT, fill=False, gid=box.gid, **style))
 
 
 def _paint_dividers(ax, dividers: list) -> None:
@@ -84,18 +66,8 @@ def _paint_arrows(ax, layout: PageTableLayout) -> None:
     from matplotlib.patches import FancyArrowPatch
 
     for arrow in layout.arrows:
-        if arrow.kind == "map":
-            style = {"arrowstyle": "-|>", "mutation_scale": 11, "lw": 1.3, "alpha": 0.85, "zorder": 0.5}
-        else:
-            style = {
-                "connectionstyle": "arc3,rad=-0.5",
-                "arrowstyle": "-|>",
-                "mutation_scale": 10,
-                "lw": 1.2,
-                "ls": "--",
-                "zorder": 3,
-            }
-        patch = FancyArrowPatch(arrow.start, arrow.end, color=arrow.color, **style)
+        style = MAP_ARROW if arrow.kind == "map" else COPY_ARROW
+        patch = FancyArrowPatch(arrow.start, arrow.end, arrowstyle="-|>", color=arrow.color, **style)
         patch.set_gid(arrow.gid)
         ax.add_artist(patch)
 
@@ -112,19 +84,8 @@ def _paint_legend(ax, layout: PageTableLayout) -> None:
             handles.append(Line2D([0, 1], [0, 0], color=style["color"], ls=style["ls"], lw=1.2))
         else:
             handles.append(Rectangle((0, 0), 1, 1, **style))
-    ax.legend(
-        handles,
-        [text for text, _ in layout.legend],
-        loc="upper left",
-        bbox_to_anchor=layout.legend_at,
-        bbox_transform=ax.transData,
-        ncol=layout.legend_cols,
-        fontsize=8,
-        frameon=False,
-        handlelength=2.2,
-        borderaxespad=0,
-        columnspacing=1.5,
-    )
+    at = {"bbox_to_anchor": layout.legend_at, "bbox_transform": ax.transData, "ncol": layout.legend_cols}
+    ax.legend(handles, [text for text, _ in layout.legend], loc="upper left", **at, **LEGEND)
 
 
 def paint_page_table(ax, layout: PageTableLayout) -> None:
@@ -143,16 +104,8 @@ def paint_page_table(ax, layout: PageTableLayout) -> None:
     _paint_dividers(ax, dividers)
     _paint_arrows(ax, layout)
     for label in layout.labels:
-        ax.text(
-            label.x,
-            label.y,
-            label.text,
-            ha=label.ha,
-            va=label.va,
-            fontsize=label.size,
-            color=label.color,
-            fontweight="bold" if label.bold else None,
-        )
+        style = {"fontsize": label.size, "color": label.color, "fontweight": "bold" if label.bold else None}
+        ax.text(label.x, label.y, label.text, ha=label.ha, va=label.va, **style)
     _paint_legend(ax, layout)
     if layout.title:
         ax.set_title(layout.title, fontsize=10)
@@ -176,12 +129,8 @@ def draw_page_table(
     filled cell is the token index). Right: the physical pool (the number in a cell is its slot id,
     block_id * block_size + offset). Arrows: logical -> physical; dashed black arcs: copy-on-write.
     Returns the matplotlib Figure; pass `fig=` to redraw into an existing figure or `ax=` to draw into
-    an existing Axes. `options` go to `page_table_layout`:
-
-    seq_ids (which sequences to draw), colors ({seq_id: colour}), title ("" for none), show_numbers,
-    max_pool_rows=16, max_blocks=64, max_seq_blocks=8, max_seqs=16 (the rest is summarized),
-    highlight (pool blocks to mark), copies ((src, dst) pairs already taken from the tables, drawn
-    with their pending copies).
+    an existing Axes. `options` (seq_ids, colors, title, show_numbers, the max_* limits, highlight,
+    copies) go to `page_table_layout`, which says what each does.
     """
     import matplotlib.pyplot as plt
 

@@ -3,8 +3,7 @@
 `page_table_layout(manager)` returns a `PageTableLayout`: one `Box` per drawn block (each sequence's
 logical blocks on the left, the physical pool on the right), one `Arrow` per logical -> physical mapping
 and per copy-on-write pair (source -> copy), the `Label`s, the legend and the figure's extent.
-`vllmini.viz.page_table` paints it; tests read it directly. In data units a token slot is `cell` wide and
-block rows are 1 apart, row 0 at the top.
+`vllmini.viz.page_table` paints it; tests read it directly. Positions come from `page_table_places`.
 
 What a physical block looks like is decided in one place, `_pool_style`, by its kind:
 "used" (one owner), "shared" (several: black frame, one stripe per owner, "shared ×N" = its reference
@@ -35,27 +34,33 @@ from vllmini.viz.style import (
 
 GREY = "#777777"
 MID = ROW_HEIGHT / 2  # from a row's top to its middle, where labels and arrows attach
+# the colour of a pool block's label, by its kind (black for the others)
+LABEL_COLORS = {"cached": CACHED_EDGE, "free": "#999999", "pinned": GREY}
 
 
 @dataclass(frozen=True)
-class Box:
-    """One block drawn as a row of `slots` token slots: its first `filled` slots coloured (one
-    horizontal stripe per owner), the rest `empty_face`; a frame; optional text per slot."""
+class Look:
+    """How a block looks: the first `filled` slots coloured, one horizontal stripe per owner; a frame."""
+
+    kind: str  # "logical", "used", "shared", "free", "cached" or "pinned"
+    stripes: tuple[str, ...]
+    filled: int
+    frame: str
+    linewidth: float
+    linestyle: str = "-"
+    hatch: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Box(Look):
+    """One block drawn at (x, y) as a row of `slots` token slots, each `cell` wide; optional text per slot."""
 
     gid: str  # "logical:<seq>:<i>" or "physical:<block>"
     x: float
     y: float
-    cell: float  # width of one slot
+    cell: float
     slots: int
-    filled: int
-    stripes: tuple[str, ...]
-    frame: str
-    linewidth: float
-    linestyle: str
-    kind: str  # "logical", "used", "shared", "free", "cached" or "pinned"
-    numbers: tuple | None = None  # text per slot, or None
-    hatch: str | None = None
-    empty_face: str = "white"
+    numbers: tuple | None = None
     block_id: int | None = None  # the physical block (for a logical box: the one it maps to)
     ref_count: int = 0  # physical boxes: sequences pointing at the block
 
@@ -121,43 +126,25 @@ class PageTableLayout:
         raise InvalidArgumentError(f"no box {gid!r} in the layout (blocks that did not fit are not drawn)")
 
 
-@dataclass(frozen=True)
-class _Look:
-    """How one physical block looks."""
-
-    kind: str  # "used", "shared", "free", "cached" or "pinned"
-    stripes: tuple[str, ...]  # one colour per owner
-    filled: int  # slots coloured
-    frame: str
-    lw: float
-    ls: str
-    label: str
-    label_color: str = "black"
-    hatch: str | None = None
-    bold: bool = False
-
-
-def _pool_style(b: int, snap: Snapshot, colors: dict) -> _Look:
-    """How physical block `b` looks: its kind, stripes (owner colours), filled slots, frame, label."""
+def _pool_style(b: int, snap: Snapshot, colors: dict) -> tuple[Look, str]:
+    """How physical block `b` looks (its kind, owner stripes, filled slots, frame) and its label."""
     owners, bs = snap.owners.get(b, []), snap.block_size
     if b in snap.cached_free:  # a cached block is full: only full blocks are named by a hash
         first = " (evicted 1st)" if b == snap.cached_free[0] else ""
-        label = f"{b} cached, free{first}"
-        return _Look("cached", (CACHED_FACE,), bs, CACHED_EDGE, 1.4, "-", label, CACHED_EDGE, "///")
+        return Look("cached", (CACHED_FACE,), bs, CACHED_EDGE, 1.4, hatch="///"), f"{b} cached, free{first}"
     if snap.ref_counts[b] == 0:
         label = f"{b} free" + (" (next)" if snap.free_ids and b == snap.free_ids[0] else "")
-        return _Look("free", (FREE_FACE,), bs, FREE_EDGE, 1.2, "--", label, "#999999")
+        return Look("free", (FREE_FACE,), bs, FREE_EDGE, 1.2, "--"), label
     filled = snap.fill.get(b, 0)
     if not owners and snap.pinned(b):
-        return _Look("pinned", (GREY,), filled, GREY, 1.6, ":", f"{b} copy source", GREY)
+        return Look("pinned", (GREY,), filled, GREY, 1.6, ":"), f"{b} copy source"
     stripes = tuple(dict.fromkeys(colors.get(s, GREY) for s in owners)) or (GREY,)  # one per owner
     notes = ["cached"] if b in snap.cached else []
     notes += [f"copy of {src}" for src, dst in snap.copies if dst == b]
     notes = f" ({', '.join(notes)})" if notes else ""
     if len(owners) > 1:
-        label = f"{b} shared ×{len(owners)}{notes}"
-        return _Look("shared", stripes, filled, "black", 2.4, "-", label, bold=True)
-    return _Look("used", stripes, filled, stripes[0], 1.6, "-", f"{b}{notes}")
+        return Look("shared", stripes, filled, "black", 2.4), f"{b} shared ×{len(owners)}{notes}"
+    return Look("used", stripes, filled, stripes[0], 1.6), f"{b}{notes}"
 
 
 def _logical_boxes(snap: Snapshot, places: Places, colors: dict, show_numbers: bool, out: PageTableLayout):
@@ -173,23 +160,9 @@ def _logical_boxes(snap: Snapshot, places: Places, colors: dict, show_numbers: b
         s, block_ids, count = snap.seqs[k]
         filled = min(bs, count - i * bs)
         numbers = tuple(i * bs + j if j < filled else "" for j in range(bs)) if show_numbers else None
-        out.boxes.append(
-            Box(
-                f"logical:{s}:{i}",
-                0.0,
-                row,
-                places.cell,
-                bs,
-                filled,
-                (colors[s],),
-                colors[s],
-                1.6,
-                "-",
-                "logical",
-                numbers,
-                block_id=block_ids[i],
-            )
-        )
+        look = Look("logical", (colors[s],), filled, colors[s], 1.6)
+        at = {"x": 0.0, "y": row, "cell": places.cell, "slots": bs, "numbers": numbers}
+        out.boxes.append(Box(**vars(look), **at, gid=f"logical:{s}:{i}", block_id=block_ids[i]))
         out.labels.append(Label(-0.25, row + MID, f"L{i}", "#444444", ha="right"))
     for k, row, hidden in places.logical_gaps:
         out.labels.append(Label(0.2, row + MID, f"⋮ {plural(hidden, 'more block')}", colors[snap.seqs[k][0]]))
@@ -202,30 +175,15 @@ def _pool_boxes(snap, places, styles, show_numbers, highlight, out: PageTableLay
     """Right side: the physical pool, each block styled by `_pool_style`, and '⋮' for runs not drawn."""
     bs = snap.block_size
     for b, (x, y) in places.pool.items():
-        st = styles[b]
+        look, label = styles[b]
         if b in highlight:
             out.glows.append((b, x, y, bs * places.cell))
         numbers = tuple(b * bs + j for j in range(bs)) if show_numbers else None
-        out.boxes.append(
-            Box(
-                f"physical:{b}",
-                x,
-                y,
-                places.cell,
-                bs,
-                st.filled,
-                st.stripes,
-                st.frame,
-                st.lw,
-                st.ls,
-                st.kind,
-                numbers,
-                st.hatch,
-                block_id=b,
-                ref_count=len(snap.owners.get(b, ())),
-            )
-        )
-        out.labels.append(Label(x + bs * places.cell + 0.25, y + MID, st.label, st.label_color, bold=st.bold))
+        at = {"x": x, "y": y, "cell": places.cell, "slots": bs, "numbers": numbers, "block_id": b}
+        box = Box(**vars(look), **at, gid=f"physical:{b}", ref_count=len(snap.owners.get(b, ())))
+        out.boxes.append(box)
+        color = LABEL_COLORS.get(look.kind, "black")
+        out.labels.append(Label(x + box.width + 0.25, y + MID, label, color, bold=look.kind == "shared"))
     for x, y, first, last in places.pool_gaps:
         count = last - first + 1
         free = sum(1 for b in range(first, last + 1) if snap.ref_counts[b] == 0)
@@ -238,19 +196,11 @@ def _arrows(snap: Snapshot, places: Places, colors: dict, out: PageTableLayout) 
     """Logical -> physical block; copy-on-write pairs from the source block to its copy (right side)."""
     x0 = snap.block_size * places.cell + 0.1
     for k, i, row in places.logical:
-        s, block_ids, _ = snap.seqs[k]
-        if block_ids[i] in places.pool:
-            x, y = places.pool[block_ids[i]]
+        s, b = snap.seqs[k][0], snap.seqs[k][1][i]
+        if b in places.pool:
+            x, y = places.pool[b]
             out.arrows.append(
-                Arrow(
-                    f"arrow:{s}:{i}->{block_ids[i]}",
-                    (x0, row + MID),
-                    (x - 0.1, y + MID),
-                    colors[s],
-                    "map",
-                    s,
-                    block_ids[i],
-                )
+                Arrow(f"arrow:{s}:{i}->{b}", (x0, row + MID), (x - 0.1, y + MID), colors[s], "map", s, b)
             )
     right = places.col_step - 1.4  # the copy arcs run right of the labels (_place left room for them)
     for src, dst in snap.copies:
@@ -260,24 +210,15 @@ def _arrows(snap: Snapshot, places: Places, colors: dict, out: PageTableLayout) 
             out.arrows.append(Arrow(f"copy:{src}->{dst}", start, end, "black", "copy", src, dst))
 
 
-def _legend(snap: Snapshot, styles: dict, highlight) -> list[tuple[str, dict]]:
+def _legend(snap: Snapshot, kinds: set[str], highlight) -> list[tuple[str, dict]]:
     """Legend entries for the kinds of block in the picture (none for a picture of plain blocks)."""
-    kinds = {st.kind for st in styles.values()}
     entries = []
     if "shared" in kinds:
-        entries.append(
-            (
-                "shared ×N: N sequences point at it (its reference count)",
-                {"facecolor": "white", "edgecolor": "black", "lw": 2.4},
-            )
-        )
+        text = "shared ×N: N sequences point at it (its reference count)"
+        entries.append((text, {"facecolor": "white", "edgecolor": "black", "lw": 2.4}))
     if "cached" in kinds:
-        entries.append(
-            (
-                "cached, free: reference count 0, keeps its prefix until evicted (oldest first)",
-                {"facecolor": CACHED_FACE, "edgecolor": CACHED_EDGE, "hatch": "////"},
-            )
-        )
+        text = "cached, free: reference count 0, keeps its prefix until evicted (oldest first)"
+        entries.append((text, {"facecolor": CACHED_FACE, "edgecolor": CACHED_EDGE, "hatch": "////"}))
     if "pinned" in kinds:
         entries.append(("copy source: freed, kept until its copy is made", {"facecolor": GREY, "ls": ":"}))
     if snap.copies:
@@ -348,7 +289,7 @@ def page_table_layout(
     for k, (s, _, _) in enumerate(snap.seqs):
         colors.setdefault(s, seq_color(s, k))
     styles = {b: _pool_style(b, snap, colors) for b in range(snap.num_blocks)}
-    places = place(snap, {b: len(st.label) for b, st in styles.items()}, limits)
+    places = place(snap, {b: len(label) for b, (_, label) in styles.items()}, limits)
     if show_numbers is None:
         drawn = len(places.pool) + len(places.logical)
         show_numbers = snap.block_size <= 8 and places.num_rows <= 24 and drawn <= 48
@@ -358,7 +299,7 @@ def page_table_layout(
     _pool_boxes(snap, places, styles, show_numbers, highlight, out)
     _arrows(snap, places, colors, out)
     bottom = _footer(snap, places, out)
-    out.legend = _legend(snap, {b: styles[b] for b in places.pool}, highlight & set(places.pool))
+    out.legend = _legend(snap, {styles[b][0].kind for b in places.pool}, highlight & set(places.pool))
     width = 0.42 * (places.x_max - places.x_min)
     out.legend_cols = 2 if width >= 9 else 1
     out.legend_at = (places.x_min + 0.2, bottom - 0.1)

@@ -38,10 +38,6 @@ class PageTablePlayground:
         self.last_copies: list[tuple[int, int]] = []  # copy-on-write pairs of the last action
         self._next_token = 0
 
-    @property
-    def live(self) -> list:
-        return self.manager.seq_ids
-
     def _fresh(self, count: int) -> list[int]:
         """`count` token ids never used before (so no accidental prefix-cache hit)."""
         self._next_token += count
@@ -139,7 +135,7 @@ class PageTablePlayground:
     def step(self) -> str:
         """One decode step: every live sequence samples one token (a copy-on-write where it writes into a
         shared, partly filled block). All or nothing: if the pool runs out, nothing changes."""
-        seq_ids = self.live
+        seq_ids = self.manager.seq_ids
         if not seq_ids:
             raise InvalidArgumentError("step needs a sequence: add one first")
         before, starts = self._cached_free(), {s: self.manager.seq_len(s) for s in seq_ids}

@@ -72,12 +72,8 @@ def plot_pool_and_batch(stats, *, figsize: tuple[float, float] = (11, 3.4)) -> F
     for s in stats:
         if s.num_preemptions:
             ax1.axvline(s.step, color="C3", alpha=0.4)
-    ax1.set(
-        xlabel="engine step",
-        ylabel="token slots (during the forward)",
-        title="KV pool (red line: a preemption)",
-    )
-    ax1.set_ylim(0, stats[0].pool_slots * 1.1)
+    ax1.set(xlabel="engine step", ylabel="token slots (during the forward)")
+    ax1.set(title="KV pool (red line: a preemption)", ylim=(0, stats[0].pool_slots * 1.1))
     ax1.legend(fontsize=8, loc="lower left")
     decodes = [s.num_decodes for s in stats]
     ax2.bar(steps, decodes, label="decodes")
@@ -153,10 +149,8 @@ def plot_latency_vs_rate(points, *, factor: float = 5.0, ax: Axes | None = None,
         rates, lat = [p.rate for p in pts], [1e3 * p.mean_normalized_latency for p in pts]
         bound = "" if s.crossed else ">= "
         ax.plot(rates, lat, "-", color=color, label=f"{policy}: sustains {bound}{s.rate:.3g} requests/s")
-        done = [p.metrics.complete for p in pts]
-        ax.scatter(
-            rates, lat, s=28, zorder=3, color=[color if d else "white" for d in done], edgecolors=color
-        )
+        faces = [color if p.metrics.complete else "white" for p in pts]  # hollow: cut off
+        ax.scatter(rates, lat, s=28, zorder=3, color=faces, edgecolors=color)
         if s.crossed:
             ax.axvline(s.rate, color=color, ls=":", lw=1.2)
         thresholds.append((1e3 * s.threshold, color))
@@ -174,6 +168,3 @@ def plot_latency_vs_rate(points, *, factor: float = 5.0, ax: Axes | None = None,
     )
     ax.legend(fontsize=8, loc="lower right")  # the curves rise to the upper left
     return ax
-
-
-# ---- kernel performance (notebook 07)

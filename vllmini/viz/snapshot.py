@@ -1,10 +1,7 @@
 """What a page-table picture needs, copied out of the live objects (so drawing can never change them).
 
 `snapshot` accepts a `BlockManager`, one `BlockTable`, or a dict seq_id -> table (a `BlockTable` or any
-table with the same four attributes, e.g. one a learner wrote) and returns a `Snapshot` of plain lists:
-the sequences to draw, every block's reference count and owners, the free list, pending copy-on-write
-pairs, and, for a manager with a prefix cache, which blocks are named by a hash and which of those are
-cached but free (reference count 0, evicted least recently used first).
+table with the same four attributes, e.g. one a learner wrote) and returns a `Snapshot` of plain lists.
 """
 
 from __future__ import annotations
@@ -87,39 +84,37 @@ def snapshot(manager_or_tables, allocator: BlockAllocator | None = None, seq_ids
     if len(sizes) > 1:
         raise InvalidArgumentError(f"all tables must share one block_size, got {sorted(sizes)}")
     block_size = sizes.pop() if sizes else getattr(obj, "block_size", 1)
+    fills = [(t.block_ids, t.num_tokens) for t in tables.values()]
+    num_blocks = allocator.num_blocks
     if isinstance(obj, BlockManager):
         util, cache = obj.utilization(), obj.prefix_cache
     else:  # bare tables: every block in use is theirs
-        fills = ((t.block_ids, t.num_tokens) for t in tables.values())
-        util, cache = (
-            pool_utilization(fills, block_size, allocator.num_blocks, allocator.num_used_blocks),
-            None,
-        )
+        util = pool_utilization(fills, block_size, num_blocks, allocator.num_used_blocks)
+        cache = None
     owners: dict[int, list] = {}
     for seq_id, table in tables.items():
         for block_id in table.block_ids:
             owners.setdefault(block_id, []).append(seq_id)
-    pending = [tuple(pair) for t in tables.values() for pair in getattr(t, "pending_copies", [])]
     if seq_ids is not None:
         missing = [s for s in seq_ids if s not in tables]
         if missing:
             raise InvalidArgumentError(f"seq_ids {missing} not found; known: {list(tables)}")
     drawn = tables if seq_ids is None else {s: tables[s] for s in seq_ids}
-    num_blocks = allocator.num_blocks
+    pending = [tuple(pair) for t in tables.values() for pair in getattr(t, "pending_copies", [])]
     copies = [
         tuple(as_index(b, f"copies[{i}] block", num_blocks) for b in as_pair(pair, f"copies[{i}]"))
         for i, pair in enumerate(copies)
     ]
     return Snapshot(
         block_size=block_size,
-        num_blocks=allocator.num_blocks,
+        num_blocks=num_blocks,
         seqs=[(s, list(t.block_ids), t.num_tokens) for s, t in drawn.items()],
-        ref_counts=[allocator.ref_count(b) for b in range(allocator.num_blocks)],
+        ref_counts=[allocator.ref_count(b) for b in range(num_blocks)],
         free_ids=allocator.free_block_ids,
-        copies=list(dict.fromkeys([*pending, *(tuple(pair) for pair in copies)])),
+        copies=list(dict.fromkeys([*pending, *copies])),
         util=util,
         owners=owners,
-        fill=block_fill(((t.block_ids, t.num_tokens) for t in tables.values()), block_size),
-        cached={b for b in range(allocator.num_blocks) if cache.is_cached(b)} if cache else set(),
+        fill=block_fill(fills, block_size),
+        cached={b for b in range(num_blocks) if cache.is_cached(b)} if cache else set(),
         cached_free=tuple(cache.evictable) if cache else (),
     )

@@ -11,7 +11,6 @@ FREE_FACE, FREE_EDGE = "#f3f3f3", "#b0b0b0"
 CACHED_FACE, CACHED_EDGE = "#e0f2f1", "#00897b"  # free, but still holding a cached prefix (hatched)
 HIGHLIGHT = "#ffd54f"  # the glow behind a block that was just copied (copy-on-write)
 ROW_HEIGHT = 0.8  # drawn height of a block row (rows are 1 apart)
-H = ROW_HEIGHT  # its old name, still importable
 
 PROMPT_FACE, OUTPUT_FACE, EMPTY_FACE, EMPTY_EDGE = "#4C72B0", "#DD8452", "#F4CCCC", "#C0392B"
 SCHEME_COLORS = {"static": "#C0392B", "pow2": "#8E44AD", "oracle": "#7F8C8D", "paged": "#27AE60"}
