@@ -16,25 +16,20 @@ seq_lens -- values that live on the device -- are checked in one of three ways (
                      is recorded in a device-side buffer. No sync: `check_kernel_errors()` reads the buffer
                      (one sync) and raises InvalidBlockTableError; the engine calls it once per step.
     "trust"  (False) no check at all, for a caller that checked these tables already (check_block_tables).
-The "torch" backend is the naive one: gather the pages into a contiguous tensor, then
-`scaled_dot_product_attention` (float32 softmax for half types) with the padding masked. "cupy" (a
-CUDA kernel on a GPU) and "emulator" (the same CUDA source on the CPU) live in `vllmini.cuda_kernels`
-and are imported only when asked for; `kernel_version=` picks one of the kernel versions of
-`vllmini.kernel_registry` (None: the best one).
-"auto" picks "cupy" for CUDA tensors of a dtype the kernels take (KERNEL_DTYPES) when CuPy works, else
-"torch"; never the emulator.
-
-Index dtypes: block_tables, seq_lens and query_start_loc may be int32 (vLLM's choice) or int64; they
-are normalized to contiguous int32. Padding entries of block_tables (past a sequence's length) are
-never read, whatever they hold (-1, garbage).
+Backends: "torch" gathers the pages and runs `scaled_dot_product_attention`; "cupy" (a CUDA kernel on
+a GPU) and "emulator" (the same CUDA source on the CPU) live in `vllmini.cuda_kernels`, imported only
+when asked for, and `kernel_version=` picks one of `vllmini.kernel_registry`'s versions (None: the best).
+"auto" is "cupy" for CUDA tensors of a dtype the kernels take (KERNEL_DTYPES) when CuPy works, else
+"torch"; never the emulator. Index tensors may be int32 (vLLM's choice) or int64; padding entries of
+block_tables (past a sequence's length) are never read, whatever they hold (-1, garbage).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import itertools
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -197,12 +192,8 @@ def paged_attention(
     kernel_version: int | str | None = None,
 ) -> torch.Tensor:  # (num_seqs, num_heads, head_size), query's dtype
     """Decode attention through block tables: each sequence's one query token attends to its
-    seq_lens[s] cached tokens. backend: "torch", "cupy", "emulator" or "auto" (see module doc).
-
-    validate: how block_tables and seq_lens are checked (module doc): None (default) = "host" on the CPU,
-    "guard" on CUDA when the kernel has one (no host sync: errors surface at check_kernel_errors());
-    True = "host" (one sync on CUDA), False = "trust", or "guard". kernel_version (backends "cupy" and
-    "emulator"): a number or name from vllmini.kernel_registry.kernel_versions(); None = the best one."""
+    seq_lens[s] cached tokens. backend, validate (None: "guard" on CUDA when the kernel has one, else
+    "host") and kernel_version (a number or name of kernel_versions(); None: the best): see module doc."""
     one_of(backend, "backend", BACKENDS)
     args = _validate_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
     backend = resolve_backend(backend, args.query.device, args.query.dtype)
@@ -273,7 +264,7 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
 # attention metadata: how the flat batch of tokens maps onto sequences and pages
 
 
-@dataclass
+@dataclasses.dataclass
 class AttentionMetadata:
     """Where this step's tokens go in the cache and what each sequence reads.
 
@@ -292,7 +283,9 @@ class AttentionMetadata:
     host_checked: bool = False
     # slot_mapping may hold -1 rows that were not checked (a CUDA graph's padding): see reshape_and_cache
     has_padding: bool = False
-    last_token_indices: torch.Tensor = field(init=False)  # (num_seqs,) int64: each sequence's last token
+    last_token_indices: torch.Tensor = dataclasses.field(
+        init=False
+    )  # (num_seqs,) int64: each sequence's last token
 
     def __post_init__(self):
         self.last_token_indices = self.query_start_loc[1:].to(torch.int64) - 1
@@ -309,16 +302,8 @@ class AttentionMetadata:
 
     def to(self, device) -> AttentionMetadata:
         """A copy on `device` (see `to_device`: from the CPU to CUDA without a host sync)."""
-        return AttentionMetadata(
-            slot_mapping=to_device(self.slot_mapping, device),
-            block_tables=to_device(self.block_tables, device),
-            seq_lens=to_device(self.seq_lens, device),
-            query_start_loc=to_device(self.query_start_loc, device),
-            num_prefills=self.num_prefills,
-            num_prefill_tokens=self.num_prefill_tokens,
-            host_checked=self.host_checked,
-            has_padding=self.has_padding,
-        )
+        tensors = ("slot_mapping", "block_tables", "seq_lens", "query_start_loc")
+        return dataclasses.replace(self, **{name: to_device(getattr(self, name), device) for name in tensors})
 
     @property
     def num_seqs(self) -> int:
