@@ -102,12 +102,9 @@ def _host_copy(*tensors: torch.Tensor) -> list[np.ndarray]:
     """ONE device->host copy of all the tensors: flattened into one (int64 if any of them is), then
     `.cpu()` -- one sync, instead of a dozen tiny kernels and a sync per question asked of them."""
     dtype = torch.int64 if any(t.dtype == torch.int64 for t in tensors) else torch.int32
-    flat = torch.cat([t.reshape(-1).to(dtype) for t in tensors]).cpu().numpy()
-    views, at = [], 0
-    for t in tensors:
-        views.append(flat[at : at + t.numel()].reshape(t.shape))
-        at += t.numel()
-    return views
+    flat = torch.cat([t.reshape(-1).to(dtype) for t in tensors]).cpu()
+    parts = flat.split([t.numel() for t in tensors])
+    return [part.reshape(t.shape).numpy() for part, t in zip(parts, tensors, strict=True)]
 
 
 def _check_tables_host(bt: np.ndarray, lens: np.ndarray, num_blocks: int, block_size: int) -> np.ndarray:

@@ -161,13 +161,12 @@ def paged_attention_kernel(
     _validated: bool = False,
 ) -> torch.Tensor:
     """Launch one kernel version (None: the best, resolve_kernel_version) on validated, contiguous
-    inputs; fills and returns out. Sync-free: nothing is read back from the device.
-
-    runtime "cupy" needs CUDA tensors, "emulator" CPU tensors; both run the same source the same way.
-    `error` turns on the in-kernel guard of versions that have one: bad page ids are never read, their
-    rows come out NaN and the first one is recorded in `error` (vllmini.attention.check_kernel_errors).
-    Without it the kernel trusts the tables. `num_splits` forces version 5's context split (tests).
-    `source` (cupy only) launches another text with the same arguments, for benchmarks of variants."""
+    inputs; fills and returns out. Sync-free: nothing is read back from the device. runtime "cupy" needs
+    CUDA tensors, "emulator" CPU tensors. `error` turns on the in-kernel guard of versions that have one:
+    bad page ids are never read, their rows come out NaN and the first one is recorded in `error`
+    (vllmini.attention.check_kernel_errors); without it the kernel trusts the tables. `num_splits` forces
+    version 5's context split (tests); `source` (cupy only) launches another text with the same
+    arguments, for benchmarks of variants."""
     kernel = version if isinstance(version, KernelVersion) else resolve_kernel_version(version, query.dtype)
     inputs = (query, key_cache, value_cache, block_tables, seq_lens)
     _check_call(kernel, runtime, (*inputs, out), error, _validated)
@@ -301,10 +300,7 @@ def _launch(file, function, runtime, device, grid, block, args, shared_mem, sour
         kernel = _cupy_kernel(file, function, device.index, source, options)
         if shared_mem > DEFAULT_SHARED_BYTES and kernel.max_dynamic_shared_size_bytes < shared_mem:
             kernel.max_dynamic_shared_size_bytes = shared_mem  # opt in (raises if the GPU has less)
-        cargs = tuple(
-            (0 if arg is None else arg.data_ptr()) if arg is None or isinstance(arg, torch.Tensor) else arg
-            for arg in args
-        )
+        cargs = tuple(0 if a is None else a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
         with cupy.cuda.Device(device.index), _torch_stream(device):
             kernel(grid, block, cargs, shared_mem=shared_mem)
     else:
