@@ -151,13 +151,8 @@ def check_block_tables(
         )
     if block_tables.shape[0] == 0:
         return 0
-    return int(_host_lens(block_tables, seq_lens, num_blocks, block_size).max())
-
-
-def _host_lens(block_tables, seq_lens, num_blocks: int, block_size: int) -> np.ndarray:
-    """`_check_tables_host` on the caller's tensors (int64 ones unclamped): seq_lens as int64 (S,)."""
     bt, lens = _host_view(block_tables, seq_lens)
-    return _check_tables_host(bt, lens, num_blocks, block_size)
+    return int(_check_tables_host(bt, lens, num_blocks, block_size).max())
 
 
 def _check_table_shapes(key_cache: torch.Tensor, block_tables, seq_lens, num_seqs: int | None) -> int:
@@ -204,10 +199,12 @@ def _validate_decode(query, key_cache, value_cache, block_tables, seq_lens, scal
 
 
 def _with_host_lens(args: DecodeArgs, block_tables, seq_lens) -> tuple[DecodeArgs, np.ndarray]:
-    """args with the true max_seq_len after the host check of the caller's tables; seq_lens as int64."""
+    """args with the true max_seq_len after the host check of the caller's tables (int64 ones unclamped);
+    seq_lens as int64."""
     if args.query.shape[0] == 0:
         return args._replace(max_seq_len=0), np.zeros(0, dtype=np.int64)
-    lens = _host_lens(block_tables, seq_lens, args.key_cache.shape[0], args.key_cache.shape[1])
+    bt, lens = _host_view(block_tables, seq_lens)
+    lens = _check_tables_host(bt, lens, args.key_cache.shape[0], args.key_cache.shape[1])
     return args._replace(max_seq_len=int(lens.max())), lens
 
 
