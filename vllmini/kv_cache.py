@@ -18,7 +18,6 @@ CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # 
 _INT_DTYPES = (torch.int32, torch.int64)
 _POOL = "[num_blocks, block_size, num_kv_heads, head_size]"
 _NEW = "[num_tokens, num_kv_heads, head_size]"
-_SLOTS = "[num_tokens]"
 
 
 def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
@@ -76,8 +75,8 @@ def reshape_and_cache(
         "slot_mapping",
         dtypes=_INT_DTYPES,
         device=device,
-        shape=key.shape[:1],
-        shape_desc=_SLOTS,
+        shape=(key.shape[0],),
+        shape_desc="[num_tokens]",
     )
 
     slots = slot_mapping.to(torch.int64)
