@@ -51,12 +51,10 @@ def prefill(case, backend="torch"):
 def host_path(request, monkeypatch):
     """Run the table checks both ways: CPU tensors viewed in place, and the one device->host copy that
     CUDA tensors take (`_host_copy`, exercised here on the CPU)."""
-    import vllmini.attention as attention
     import vllmini.attention_checks as attention_checks
 
     if request.param == "copy":
-        for module in (attention, attention_checks):
-            monkeypatch.setattr(module, "_host_view", attention_checks._host_copy)
+        monkeypatch.setattr(attention_checks, "_host_view", attention_checks._host_copy)
     return request.param
 
 

@@ -16,24 +16,20 @@ seq_lens -- values that live on the device -- are checked in one of three ways (
                      is recorded in a device-side buffer. No sync: `check_kernel_errors()` reads the buffer
                      (one sync) and raises InvalidBlockTableError; the engine calls it once per step.
     "trust"  (False) no check at all, for a caller that checked these tables already (check_block_tables).
-The "torch" backend is the naive one: gather the pages into a contiguous tensor, then
-`scaled_dot_product_attention` (float32 softmax for half types) with the padding masked. "cupy" (a
-CUDA kernel on a GPU) and "emulator" (the same CUDA source on the CPU) live in `vllmini.cuda_kernels`
-and are imported only when asked for; `kernel_version=` picks one of the kernel versions of
-`vllmini.kernel_registry` (None: the best one).
-"auto" picks "cupy" for CUDA tensors of a dtype the kernels take (KERNEL_DTYPES) when CuPy works, else
-"torch"; never the emulator.
-
-Index dtypes: block_tables, seq_lens and query_start_loc may be int32 (vLLM's choice) or int64; they
-are normalized to contiguous int32. Padding entries of block_tables (past a sequence's length) are
-never read, whatever they hold (-1, garbage).
+Backends: "torch" gathers the pages and runs `scaled_dot_product_attention`; "cupy" (a CUDA kernel on
+a GPU) and "emulator" (the same CUDA source on the CPU) live in `vllmini.cuda_kernels`, imported only
+when asked for, and `kernel_version=` picks one of `vllmini.kernel_registry`'s versions (None: the best).
+"auto" is "cupy" for CUDA tensors of a dtype the kernels take (KERNEL_DTYPES) when CuPy works, else
+"torch"; never the emulator. Index tensors may be int32 (vLLM's choice) or int64; padding entries of
+block_tables (past a sequence's length) are never read, whatever they hold (-1, garbage).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
-from dataclasses import dataclass, field
+import itertools
 
 import numpy as np
 import torch
@@ -45,30 +41,26 @@ from vllmini.attention_checks import (  # noqa: F401 (re-exported: every name im
     VALIDATE_MODES,
     DecodeArgs,
     PrefillArgs,
-    _check_tables_host,
-    _host_copy,
-    _host_view,
     _table_check_mode,
     _validate_decode,
     _validate_prefill,
+    _with_host_lens,
     check_block_tables,
     check_kernel_errors,
     kernel_error_buffer,
     validate_decode_args,
     validate_prefill_args,
 )
-from vllmini.checks import cdiv
+from vllmini.checks import cdiv, one_of
 from vllmini.errors import InvalidArgumentError
 from vllmini.kernel_registry import resolve_kernel_version
 from vllmini.kv_cache import check_slot_mapping
 
 BACKENDS = ("auto", "torch", "cupy", "emulator")
+# dtypes the CUDA kernels take today; "auto" sends anything else to torch instead of failing
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
 # ----------------------------------------------------------------------------- the torch backend
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32 math for half types (and float32); float64 stays float64."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _decode_torch(args: DecodeArgs, min_seq_len: int) -> torch.Tensor:
@@ -129,7 +121,8 @@ def _prefill_torch(args: PrefillArgs, lens: np.ndarray, starts: np.ndarray) -> t
     pages = args.block_tables[:, :nb].long()  # (S, nb)
     used = torch.arange(nb, device=device)[None, :] * block_size < lens_d[:, None]  # (S, nb)
     pages = torch.where(used, pages, 0)  # padding entries may hold anything: read page 0 (zeroed below)
-    acc = q.dtype if device.type == "cuda" else _acc_dtype(q.dtype)  # CUDA SDPA accumulates in float32
+    # float32 math for half types on the CPU (float64 stays); CUDA SDPA accumulates in float32 itself
+    acc = q.dtype if device.type == "cuda" or q.dtype == torch.float64 else torch.float32
     k = kc[pages].flatten(1, 2)[:, :L].to(acc)  # (S, nb, bs, kvh, hs) -> (S, L, kvh, hs), a fresh copy
     v = vc[pages].flatten(1, 2)[:, :L].to(acc)
     positions = torch.arange(L, device=device)
@@ -165,21 +158,9 @@ def cupy_usable() -> bool:
         return False
 
 
-def _check_backend_name(backend) -> None:
-    if backend not in BACKENDS:
-        raise InvalidArgumentError(f"backend must be one of {BACKENDS}, got {backend!r}")
-
-
-# dtypes the CUDA kernels take today; "auto" sends anything else to torch instead of failing
-KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
 def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
-    """Turn "auto" into a concrete backend for tensors on `device`; reject impossible pairs.
-
-    "auto" is "cupy" for CUDA tensors of a kernel dtype (KERNEL_DTYPES) when CuPy works, else "torch".
-    """
-    _check_backend_name(backend)
+    """Turn "auto" into a concrete backend for tensors on `device` (module doc); reject impossible pairs."""
+    one_of(backend, "backend", BACKENDS)
     device = torch.device(device)
     if backend == "auto":
         kernel_ok = dtype is None or dtype in KERNEL_DTYPES
@@ -195,9 +176,7 @@ def guarded_by_default(backend: str, device: torch.device, dtype: torch.dtype) -
     """True when paged_attention(..., backend=backend) on such tensors checks its tables with the
     in-kernel guard by default (CUDA, a kernel with a guard): a caller then skips its own host check
     and calls check_kernel_errors() once per step instead."""
-    if resolve_backend(backend, device, dtype) != "cupy":
-        return False
-    return resolve_kernel_version(None, dtype).guard
+    return resolve_backend(backend, device, dtype) == "cupy" and resolve_kernel_version(None, dtype).guard
 
 
 def paged_attention(
@@ -213,16 +192,10 @@ def paged_attention(
     kernel_version: int | str | None = None,
 ) -> torch.Tensor:  # (num_seqs, num_heads, head_size), query's dtype
     """Decode attention through block tables: each sequence's one query token attends to its
-    seq_lens[s] cached tokens. backend: "torch", "cupy", "emulator" or "auto" (see module doc).
-
-    validate: how block_tables and seq_lens are checked (module doc): None (default) = "host" on the CPU,
-    "guard" on CUDA when the kernel has one (no host sync: errors surface at check_kernel_errors());
-    True = "host" (one sync on CUDA), False = "trust", or "guard". kernel_version (backends "cupy" and
-    "emulator"): a number or name from vllmini.kernel_registry.kernel_versions(); None = the best one."""
-    _check_backend_name(backend)
-    args, _ = _validate_decode(
-        query, key_cache, value_cache, block_tables, seq_lens, scale, check_tables=False
-    )
+    seq_lens[s] cached tokens. backend, validate (None: "guard" on CUDA when the kernel has one, else
+    "host") and kernel_version (a number or name of kernel_versions(); None: the best): see module doc."""
+    one_of(backend, "backend", BACKENDS)
+    args = _validate_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
     backend = resolve_backend(backend, args.query.device, args.query.dtype)
     version = None
     if backend in ("cupy", "emulator"):
@@ -233,16 +206,14 @@ def paged_attention(
             f"got {kernel_version!r}"
         )
     mode = _table_check_mode(validate, args.query.device, backend, version is not None and version.guard)
-    num_seqs = args.query.shape[0]
-    lens = None
-    if mode == "host" and num_seqs:
-        bt, lens = _host_view(block_tables, seq_lens)  # the caller's values (int64 ones unclamped)
-        lens = _check_tables_host(bt, lens, args.key_cache.shape[0], args.key_cache.shape[1])
-        args = args._replace(max_seq_len=int(lens.max()))
-    if num_seqs == 0:
+    if args.query.shape[0] == 0:
         return torch.empty_like(args.query)
+    min_seq_len = 0  # lengths unknown: the torch path masks every position
+    if mode == "host":
+        args, lens = _with_host_lens(args, block_tables, seq_lens)
+        min_seq_len = int(lens.min())
     if backend == "torch":
-        return _decode_torch(args, int(lens.min()) if lens is not None else 0)  # 0: mask, lengths unknown
+        return _decode_torch(args, min_seq_len)
     out = torch.empty_like(args.query)
     error = kernel_error_buffer(args.query.device) if mode == "guard" else None
     cuda_kernels = importlib.import_module("vllmini.cuda_kernels")  # lazy: only kernel users pay for it
@@ -266,7 +237,7 @@ def paged_prefill_attention(
 ) -> torch.Tensor:  # (num_tokens, num_heads, head_size)
     """Causal attention for each sequence's new tokens (its last ones, already in the cache) over its
     whole cached context. Serves whole prompts and chunks that start mid-sequence. Only "torch"."""
-    _check_backend_name(backend)
+    one_of(backend, "backend", BACKENDS)
     if backend not in ("auto", "torch"):
         raise InvalidArgumentError(
             f"paged_prefill_attention supports backend 'torch' (or 'auto'), got {backend!r}; "
@@ -293,7 +264,7 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
 # attention metadata: how the flat batch of tokens maps onto sequences and pages
 
 
-@dataclass
+@dataclasses.dataclass
 class AttentionMetadata:
     """Where this step's tokens go in the cache and what each sequence reads.
 
@@ -312,7 +283,9 @@ class AttentionMetadata:
     host_checked: bool = False
     # slot_mapping may hold -1 rows that were not checked (a CUDA graph's padding): see reshape_and_cache
     has_padding: bool = False
-    last_token_indices: torch.Tensor = field(init=False)  # (num_seqs,) int64: each sequence's last token
+    last_token_indices: torch.Tensor = dataclasses.field(
+        init=False
+    )  # (num_seqs,) int64: each sequence's last token
 
     def __post_init__(self):
         self.last_token_indices = self.query_start_loc[1:].to(torch.int64) - 1
@@ -329,16 +302,8 @@ class AttentionMetadata:
 
     def to(self, device) -> AttentionMetadata:
         """A copy on `device` (see `to_device`: from the CPU to CUDA without a host sync)."""
-        return AttentionMetadata(
-            slot_mapping=to_device(self.slot_mapping, device),
-            block_tables=to_device(self.block_tables, device),
-            seq_lens=to_device(self.seq_lens, device),
-            query_start_loc=to_device(self.query_start_loc, device),
-            num_prefills=self.num_prefills,
-            num_prefill_tokens=self.num_prefill_tokens,
-            host_checked=self.host_checked,
-            has_padding=self.has_padding,
-        )
+        tensors = ("slot_mapping", "block_tables", "seq_lens", "query_start_loc")
+        return dataclasses.replace(self, **{name: to_device(getattr(self, name), device) for name in tensors})
 
     @property
     def num_seqs(self) -> int:
@@ -376,9 +341,7 @@ class AttentionMetadata:
             raise InvalidArgumentError(
                 f"slot_mapping has {len(slot_mapping)} slots for {sum(query_lens)} new tokens"
             )
-        starts = [0]
-        for q in query_lens:
-            starts.append(starts[-1] + q)
+        starts = [0, *itertools.accumulate(query_lens)]
         return cls(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
             block_tables=block_tables.to(device=device, dtype=torch.int32),

@@ -87,9 +87,7 @@ def _check_query(query, key_cache: torch.Tensor, what: str) -> None:
 
 
 def _check_scale(scale, head_size: int) -> float:
-    if scale is None:
-        return head_size**-0.5
-    return as_float(scale, "scale")  # None above means 1/sqrt(head_size)
+    return head_size**-0.5 if scale is None else as_float(scale, "scale")
 
 
 def _host_view(*tensors: torch.Tensor) -> list[np.ndarray]:
@@ -104,12 +102,9 @@ def _host_copy(*tensors: torch.Tensor) -> list[np.ndarray]:
     """ONE device->host copy of all the tensors: flattened into one (int64 if any of them is), then
     `.cpu()` -- one sync, instead of a dozen tiny kernels and a sync per question asked of them."""
     dtype = torch.int64 if any(t.dtype == torch.int64 for t in tensors) else torch.int32
-    flat = torch.cat([t.reshape(-1).to(dtype) for t in tensors]).cpu().numpy()
-    views, at = [], 0
-    for t in tensors:
-        views.append(flat[at : at + t.numel()].reshape(t.shape))
-        at += t.numel()
-    return views
+    flat = torch.cat([t.reshape(-1).to(dtype) for t in tensors]).cpu()
+    parts = flat.split([t.numel() for t in tensors])
+    return [part.reshape(t.shape).numpy() for part, t in zip(parts, tensors, strict=True)]
 
 
 def _check_tables_host(bt: np.ndarray, lens: np.ndarray, num_blocks: int, block_size: int) -> np.ndarray:
@@ -160,10 +155,13 @@ def check_block_tables(
     return int(_check_tables_host(bt, lens, num_blocks, block_size).max())
 
 
-def _check_table_shapes(key_cache: torch.Tensor, block_tables, seq_lens, num_seqs: int) -> None:
+def _check_table_shapes(key_cache: torch.Tensor, block_tables, seq_lens, num_seqs: int | None) -> int:
+    """Index dtypes, devices and shapes; num_seqs None: block_tables' rows. Returns num_seqs."""
     device = key_cache.device
     _check_index_tensor("block_tables", block_tables, "[num_seqs, max_num_blocks_per_seq]", 2, device)
     _check_index_tensor("seq_lens", seq_lens, "[num_seqs]", 1, device)
+    if num_seqs is None:
+        num_seqs = block_tables.shape[0]
     if block_tables.shape[0] != num_seqs or (num_seqs > 0 and block_tables.shape[1] < 1):
         raise InvalidArgumentError(
             f"block_tables must be [num_seqs={num_seqs}, max_num_blocks_per_seq>=1], "
@@ -173,6 +171,7 @@ def _check_table_shapes(key_cache: torch.Tensor, block_tables, seq_lens, num_seq
         raise InvalidArgumentError(
             f"seq_lens must be [num_seqs={num_seqs}], got shape {tuple(seq_lens.shape)}"
         )
+    return num_seqs
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:
@@ -183,35 +182,30 @@ def _int32(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.int32).contiguous()
 
 
-def _validate_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, check_tables=True):
-    """validate_decode_args, also returning seq_lens on the host (int64 numpy) for the torch backend.
+def _normalize(query, key_cache, value_cache, *indices) -> tuple[torch.Tensor, ...]:
+    """query and the caches contiguous (a strided cache is copied whole), the index tensors `_int32`."""
+    return (query.contiguous(), key_cache.contiguous(), value_cache.contiguous(), *map(_int32, indices))
 
-    check_tables=False skips the one host copy and the table checks (the caller ran check_block_tables
-    on these tables already); seq_lens on the host is then None."""
+
+def _validate_decode(query, key_cache, value_cache, block_tables, seq_lens, scale) -> DecodeArgs:
+    """Every decode check but the tables' values; max_seq_len is then the tables' width in tokens, an upper
+    bound (the torch path masks). `_with_host_lens` adds the host check of the values."""
     check_cache_pair(key_cache, value_cache)
     _check_query(query, key_cache, "num_seqs")
     scale = _check_scale(scale, key_cache.shape[3])
-    num_seqs = query.shape[0]
-    _check_table_shapes(key_cache, block_tables, seq_lens, num_seqs)
-    lens = None
-    if not check_tables:
-        longest = block_tables.shape[1] * key_cache.shape[1]  # an upper bound: the torch path masks
-    elif num_seqs == 0:
-        lens, longest = np.zeros(0, dtype=np.int64), 0
-    else:
-        bt, lens = _host_view(block_tables, seq_lens)
-        lens = _check_tables_host(bt, lens, key_cache.shape[0], key_cache.shape[1])
-        longest = int(lens.max())
-    args = DecodeArgs(
-        query.contiguous(),
-        key_cache.contiguous(),
-        value_cache.contiguous(),
-        _int32(block_tables),
-        _int32(seq_lens),
-        scale,
-        longest,
-    )
-    return args, lens
+    _check_table_shapes(key_cache, block_tables, seq_lens, query.shape[0])
+    tensors = _normalize(query, key_cache, value_cache, block_tables, seq_lens)
+    return DecodeArgs(*tensors, scale, block_tables.shape[1] * key_cache.shape[1])
+
+
+def _with_host_lens(args: DecodeArgs, block_tables, seq_lens) -> tuple[DecodeArgs, np.ndarray]:
+    """args with the true max_seq_len after the host check of the caller's tables (int64 ones unclamped);
+    seq_lens as int64."""
+    if args.query.shape[0] == 0:
+        return args._replace(max_seq_len=0), np.zeros(0, dtype=np.int64)
+    bt, lens = _host_view(block_tables, seq_lens)
+    lens = _check_tables_host(bt, lens, args.key_cache.shape[0], args.key_cache.shape[1])
+    return args._replace(max_seq_len=int(lens.max())), lens
 
 
 def validate_decode_args(
@@ -227,7 +221,8 @@ def validate_decode_args(
     Returns contiguous copies where needed (a strided cache is copied whole: correct, not fast),
     int32 block_tables/seq_lens, the resolved scale and max(seq_lens). The table checks run on the
     host: CUDA tables cost one device->host copy (one sync), CPU tables none."""
-    return _validate_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)[0]
+    args = _validate_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
+    return _with_host_lens(args, block_tables, seq_lens)[0]
 
 
 def _validate_prefill(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale):
@@ -235,17 +230,13 @@ def _validate_prefill(query, key_cache, value_cache, block_tables, seq_lens, que
     check_cache_pair(key_cache, value_cache)
     _check_query(query, key_cache, "num_tokens")
     scale = _check_scale(scale, key_cache.shape[3])
-    _check_index_tensor(
-        "block_tables", block_tables, "[num_seqs, max_num_blocks_per_seq]", 2, key_cache.device
-    )
-    num_seqs = block_tables.shape[0]
+    num_seqs = _check_table_shapes(key_cache, block_tables, seq_lens, None)
     _check_index_tensor("query_start_loc", query_start_loc, "[num_seqs + 1]", 1, key_cache.device)
     if query_start_loc.shape != (num_seqs + 1,):
         raise InvalidArgumentError(
             f"query_start_loc must be [num_seqs + 1] = [{num_seqs + 1}] (num_seqs from block_tables), "
             f"got shape {tuple(query_start_loc.shape)}"
         )
-    _check_table_shapes(key_cache, block_tables, seq_lens, num_seqs)
     bt, lens, starts = _host_view(block_tables, seq_lens, query_start_loc)
     if num_seqs > 0:
         lens = _check_tables_host(bt, lens, key_cache.shape[0], key_cache.shape[1])
@@ -264,18 +255,9 @@ def _validate_prefill(query, key_cache, value_cache, block_tables, seq_lens, que
             f"sequence {i} has {int(q_lens[i])} query tokens (query_start_loc[{i}:{i + 2}] = "
             f"{starts[i : i + 2].tolist()}); expected 1 .. seq_lens[{i}] = {int(lens[i])}"
         )
-    args = PrefillArgs(
-        query.contiguous(),
-        key_cache.contiguous(),
-        value_cache.contiguous(),
-        _int32(block_tables),
-        _int32(seq_lens),
-        _int32(query_start_loc),
-        scale,
-        int(lens.max()) if num_seqs else 0,
-        int(q_lens.max()) if num_seqs else 0,
-    )
-    return args, lens, starts
+    tensors = _normalize(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
+    longest, longest_query = (int(lens.max()), int(q_lens.max())) if num_seqs else (0, 0)
+    return PrefillArgs(*tensors, scale, longest, longest_query), lens, starts
 
 
 def validate_prefill_args(

@@ -9,13 +9,11 @@ host->device copy from pinned memory, non-blocking), and the graph for batch siz
     input_ids (b,) | positions (b,) | slot_mapping (b,) | seq_lens (b,) | block_tables (b, max_blocks)
 
 A batch of n sequences replays the graph of the smallest captured size b >= n (as vLLM does: 1, 2, 4, 8,
-then multiples of 8 up to a maximum). The b - n padding rows point at a valid block (0) with seq_len 1
-and slot -1: their K/V are not written (reshape_and_cache's `padding`: they rewrite row 0's slot with row
-0's bytes) and their logits are dropped. The CuPy attention kernel runs on torch's current stream
-(vllmini.cuda_kernels), so it is captured with the rest; its in-kernel guard still records a bad page id,
-read by the engine after the replay (check_kernel_errors). Prefill and mixed batches, and batches above
-the largest size, run eagerly. Everything in the captured forward is sync-free (no .item(), no host
-checks: the engine checks the slot mapping on the host before it fills the buffer).
+then multiples of 8 up to a maximum), with b - n padding rows (`pack_inputs`) whose logits are dropped.
+The CuPy attention kernel runs on torch's current stream, so it is captured with the rest; its in-kernel
+guard still records a bad page id, read by the engine after the replay (check_kernel_errors). Prefill,
+mixed batches and batches above the largest size run eagerly. The captured forward is sync-free (no
+.item(), no host checks: the engine checks the slot mapping on the host before it fills the buffer).
 """
 
 from __future__ import annotations

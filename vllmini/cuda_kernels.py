@@ -1,24 +1,19 @@
 """Compile and launch the CUDA kernels of kernels/*.cu on torch tensors.
 
-Which kernels exist -- the .cu files, the paged-attention versions, the choice of the best one -- is
-`vllmini.kernel_registry`; every name there is importable from here too. Two runtimes run the same source:
+Which kernels exist is `vllmini.kernel_registry`, how one call is shaped (grid, block, context split) is
+`vllmini.launch_plan`; their public names are importable from here too. Two runtimes run the same source:
     "cupy"      NVRTC-compiled through cupy.RawModule (once per device), launched on torch's current
                 stream with raw device pointers (no cupy.asarray per argument: ~6 us instead of ~29 us).
     "emulator"  vllmini.emulator.RawKernel: the unmodified source compiled for the CPU (tests, CI, laptops).
 compile_for_arch() compiles a source for a given GPU architecture with CuPy's low-level NVRTC binding; it
 needs neither a GPU nor a driver (only the nvidia-cuda-nvrtc wheel), which is how CI checks every kernel.
-
-`paged_attention_kernel` launches any kernel version the same way on either runtime; with no version
-asked for it runs resolve_kernel_version's best (today version 5 for every dtype). Version 5 then
-chooses its own work split (launch_plan): one block per group of query heads sharing a KV head (GQA),
-and a context split when the batch gives fewer than SPLIT_TARGET_BLOCKS_PER_SM blocks per SM.
-
 Callers normally go through vllmini.paged_attention(..., backend="cupy"|"emulator"), which validates the
-inputs first; the launchers here assume validated, contiguous inputs.
+inputs first.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import numpy as np
@@ -39,9 +34,6 @@ from vllmini.kernel_registry import (  # noqa: F401 (re-exported: every name imp
 from vllmini.launch_plan import (  # noqa: F401 (re-exported: every name importable from here)
     EMULATOR_SMS,
     MERGE_THREADS,
-    MIN_SPLIT_TOKENS,
-    SPLIT_TARGET_BLOCKS_PER_SM,
-    WARP_SIZE,
     LaunchPlan,
     launch_plan,
     num_sms,
@@ -59,7 +51,6 @@ MAX_SHARED_BYTES = 232448  # the most an H100/H200 block may opt into (227 KiB);
 _cupy_modules: dict[tuple[str, int], object] = {}  # (file, device) -> cupy.RawModule
 _cupy_kernels: dict[tuple[str, str, int], object] = {}  # (file, function, device) -> kernel
 _cupy_streams: dict[tuple[int, int], object] = {}  # (device, torch stream handle) -> cupy.ExternalStream
-_emulator_kernels: dict[tuple[str, str], object] = {}  # (file, function) -> vllmini.emulator.RawKernel
 
 
 # ----------------------------------------------------------------------------- NVRTC without a GPU
@@ -142,53 +133,15 @@ def _torch_stream(device: torch.device):
     return _cupy_streams[key]
 
 
+@functools.cache
 def _emulator_kernel(file: str, function: str):
     """vllmini.emulator.RawKernel for kernels/<file>.cu::function (the emulator caches the build)."""
-    key = (file, function)
-    if key not in _emulator_kernels:
-        from vllmini.emulator import RawKernel
+    from vllmini.emulator import RawKernel
 
-        _emulator_kernels[key] = RawKernel(read_kernel_source(file), function)
-    return _emulator_kernels[key]
+    return RawKernel(read_kernel_source(file), function)
 
 
 # ----------------------------------------------------------------------------- launching any version
-
-
-def _check_launch_inputs(runtime, tensors, names, query, key_cache, version) -> None:
-    """What no kernel survives: wrong runtime/device, dtypes, layout, head size, grid limits."""
-    one_of(runtime, "runtime", RUNTIMES)
-    if query.dtype not in version.dtypes:
-        raise InvalidTypeError(
-            f"kernel version {version.number} ({version.name}) supports {list(version.dtypes)}, "
-            f"got query of {query.dtype}"
-        )
-    for arg, t in zip(names[1:3], tensors[1:3], strict=True):
-        if t.dtype != query.dtype:
-            raise InvalidTypeError(f"{arg} must have the query's dtype {query.dtype}, got {t.dtype}")
-    for arg, t in zip(names[3:5], tensors[3:5], strict=True):
-        if t.dtype != torch.int32:
-            raise InvalidTypeError(f"{arg} must be int32, got {t.dtype}")
-    for arg, t in zip(names, tensors, strict=True):
-        if not t.is_contiguous():
-            raise InvalidArgumentError(f"{arg} must be contiguous (vllmini.paged_attention makes it so)")
-    head_size, num_heads, num_kv_heads = query.shape[2], query.shape[1], key_cache.shape[2]
-    if version.number > 1 and head_size > MAX_HEAD_SIZE:
-        raise InvalidArgumentError(
-            f"kernel version {version.number} supports head_size <= {MAX_HEAD_SIZE}, got {head_size}"
-        )
-    if num_heads > MAX_GRID_YZ:
-        raise InvalidArgumentError(f"num_heads must be <= {MAX_GRID_YZ} (gridDim.y), got {num_heads}")
-    if num_heads % num_kv_heads != 0:
-        raise InvalidArgumentError(
-            f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
-        )
-    if runtime == "cupy" and any(t.device.type != "cuda" or t.device != query.device for t in tensors):
-        raise InvalidArgumentError(
-            f"runtime 'cupy' needs all tensors on one CUDA device; query is on {query.device}"
-        )
-    if runtime == "emulator" and any(t.device.type != "cpu" for t in tensors):
-        raise InvalidArgumentError(f"runtime 'emulator' needs CPU tensors, query is on {query.device}")
 
 
 def paged_attention_kernel(
@@ -208,13 +161,12 @@ def paged_attention_kernel(
     _validated: bool = False,
 ) -> torch.Tensor:
     """Launch one kernel version (None: the best, resolve_kernel_version) on validated, contiguous
-    inputs; fills and returns out. Sync-free: nothing is read back from the device.
-
-    runtime "cupy" needs CUDA tensors, "emulator" CPU tensors; both run the same source the same way.
-    `error` turns on the in-kernel guard of versions that have one: bad page ids are never read, their
-    rows come out NaN and the first one is recorded in `error` (vllmini.attention.check_kernel_errors).
-    Without it the kernel trusts the tables. `num_splits` forces version 5's context split (tests).
-    `source` (cupy only) launches another text with the same arguments, for benchmarks of variants."""
+    inputs; fills and returns out. Sync-free: nothing is read back from the device. runtime "cupy" needs
+    CUDA tensors, "emulator" CPU tensors. `error` turns on the in-kernel guard of versions that have one:
+    bad page ids are never read, their rows come out NaN and the first one is recorded in `error`
+    (vllmini.attention.check_kernel_errors); without it the kernel trusts the tables. `num_splits` forces
+    version 5's context split (tests); `source` (cupy only) launches another text with the same
+    arguments, for benchmarks of variants."""
     kernel = version if isinstance(version, KernelVersion) else resolve_kernel_version(version, query.dtype)
     inputs = (query, key_cache, value_cache, block_tables, seq_lens)
     _check_call(kernel, runtime, (*inputs, out), error, _validated)
@@ -247,18 +199,45 @@ def paged_attention_kernel(
     return out
 
 
-def _check_call(kernel: KernelVersion, runtime: str, tensors: tuple, error, _validated: bool) -> None:
-    """What paged_attention_kernel needs of its inputs (after vllmini.paged_attention's checks, only
-    what they do not cover)."""
+def _check_call(kernel: KernelVersion, runtime: str, tensors: tuple, error, validated: bool) -> None:
+    """What no kernel survives: wrong runtime/device, dtypes, layout, head size, grid limits, a guard
+    record for a version without one. After vllmini.paged_attention's checks (`validated`: dtypes,
+    shapes, devices and layout done), only what they do not cover."""
     query, key_cache, out = tensors[0], tensors[1], tensors[5]
-    if _validated:  # vllmini.paged_attention checked dtypes, shapes, devices and layout already
-        if kernel.number > 1 and query.shape[2] > MAX_HEAD_SIZE:
-            raise InvalidArgumentError(
-                f"kernel version {kernel.number} supports head_size <= {MAX_HEAD_SIZE}, got {query.shape[2]}"
+    head_size, num_heads, num_kv_heads = query.shape[2], query.shape[1], key_cache.shape[2]
+    names = ("query", "key_cache", "value_cache", "block_tables", "seq_lens", "out")
+    if not validated:
+        one_of(runtime, "runtime", RUNTIMES)
+        if query.dtype not in kernel.dtypes:
+            raise InvalidTypeError(
+                f"kernel version {kernel.number} ({kernel.name}) supports {list(kernel.dtypes)}, "
+                f"got query of {query.dtype}"
             )
-    else:
-        names = ("query", "key_cache", "value_cache", "block_tables", "seq_lens", "out")
-        _check_launch_inputs(runtime, tensors, names, query, key_cache, kernel)
+        for arg, t in zip(names[1:3], tensors[1:3], strict=True):
+            if t.dtype != query.dtype:
+                raise InvalidTypeError(f"{arg} must have the query's dtype {query.dtype}, got {t.dtype}")
+        for arg, t in zip(names[3:5], tensors[3:5], strict=True):
+            if t.dtype != torch.int32:
+                raise InvalidTypeError(f"{arg} must be int32, got {t.dtype}")
+        for arg, t in zip(names, tensors, strict=True):
+            if not t.is_contiguous():
+                raise InvalidArgumentError(f"{arg} must be contiguous (vllmini.paged_attention makes it so)")
+        if num_heads > MAX_GRID_YZ:
+            raise InvalidArgumentError(f"num_heads must be <= {MAX_GRID_YZ} (gridDim.y), got {num_heads}")
+        if num_heads % num_kv_heads != 0:
+            raise InvalidArgumentError(
+                f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+            )
+        if runtime == "cupy" and any(t.device.type != "cuda" or t.device != query.device for t in tensors):
+            raise InvalidArgumentError(
+                f"runtime 'cupy' needs all tensors on one CUDA device; query is on {query.device}"
+            )
+        if runtime == "emulator" and any(t.device.type != "cpu" for t in tensors):
+            raise InvalidArgumentError(f"runtime 'emulator' needs CPU tensors, query is on {query.device}")
+    if kernel.number > 1 and head_size > MAX_HEAD_SIZE:
+        raise InvalidArgumentError(
+            f"kernel version {kernel.number} supports head_size <= {MAX_HEAD_SIZE}, got {head_size}"
+        )
     if out.dtype != query.dtype or out.shape != query.shape:
         raise InvalidArgumentError(
             f"out must be {query.dtype} {tuple(query.shape)}, got {out.dtype} {tuple(out.shape)}"
@@ -298,21 +277,15 @@ def _kernel_args(kernel: KernelVersion, plan, inputs: tuple, out: torch.Tensor, 
     raw = [t if t.dtype == torch.float32 else t.view(torch.uint16) for t in (query, key_cache, value_cache)]
     ints = (block_size, num_heads, head_size, num_kv_heads, block_tables.shape[1])
     if kernel.number < 5:  # (out float32, q, k, v, tables, lens, sizes..., scale); out cast after
-        out_raw = (
-            out
-            if out.dtype == torch.float32
-            else torch.empty(out.shape, dtype=torch.float32, device=out.device)
-        )
+        out_raw = out if out.dtype == torch.float32 else out.new_empty(out.shape, dtype=torch.float32)
         args = (out_raw, *raw, block_tables, seq_lens, *map(np.int32, ints), np.float32(scale))
         return args, out_raw, (None, None)
     # (out, split partials, q, k, v, tables, lens, guard record, sizes..., scale)
     out_raw = out if out.dtype == torch.float32 else out.view(torch.uint16)
     part_out = part_ml = None
     if plan.num_splits > 1:
-        part_out = torch.empty(
-            num_seqs, num_heads, plan.num_splits, head_size, dtype=torch.float32, device=out.device
-        )
-        part_ml = torch.empty(num_seqs, num_heads, plan.num_splits, 2, dtype=torch.float32, device=out.device)
+        part_out = out.new_empty(num_seqs, num_heads, plan.num_splits, head_size, dtype=torch.float32)
+        part_ml = out.new_empty(num_seqs, num_heads, plan.num_splits, 2, dtype=torch.float32)
     sizes = (num_blocks, *ints, plan.heads_per_block, plan.pages_per_split)
     args = (out_raw, part_out, part_ml, *raw, block_tables, seq_lens, error, *map(np.int32, sizes),
             np.float32(scale))  # fmt: skip
@@ -327,10 +300,7 @@ def _launch(file, function, runtime, device, grid, block, args, shared_mem, sour
         kernel = _cupy_kernel(file, function, device.index, source, options)
         if shared_mem > DEFAULT_SHARED_BYTES and kernel.max_dynamic_shared_size_bytes < shared_mem:
             kernel.max_dynamic_shared_size_bytes = shared_mem  # opt in (raises if the GPU has less)
-        cargs = tuple(
-            (0 if arg is None else arg.data_ptr()) if arg is None or isinstance(arg, torch.Tensor) else arg
-            for arg in args
-        )
+        cargs = tuple(0 if a is None else a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
         with cupy.cuda.Device(device.index), _torch_stream(device):
             kernel(grid, block, cargs, shared_mem=shared_mem)
     else:

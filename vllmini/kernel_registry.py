@@ -1,15 +1,11 @@
 """Which CUDA kernels exist: the .cu files of kernels/ and the paged-attention versions among them.
 
-The .cu files are plain text that the package reads; nothing is copied into Python strings. In a wheel
-they ship as vllmini/kernels/, in a checkout they are the top-level kernels/ (`kernel_dir`).
-
-Kernel versions: kernels/paged_attention_<n>_<what it adds>.cu, one file per idea (VERSIONS; a version
-whose file is missing is simply absent from kernel_versions()). The rule when no version is asked for:
-the highest-numbered version present that has an entry point for the dtype -- today version 5 for
-float32, float16 and bfloat16 alike, since it is at or near the read ceiling on every shape measured
-(benchmarks/RESULTS.md). `vllmini.paged_attention(..., kernel_version=n)` selects another version for
-teaching and benchmarking. Compiling and launching them is `vllmini.cuda_kernels`, which re-exports
-every name here.
+The .cu files are plain text that the package reads (vllmini/kernels/ in a wheel, the top-level kernels/
+in a checkout). Versions: kernels/paged_attention_<n>_<what it adds>.cu, one file per idea (VERSIONS).
+With none asked for, the best is used (`resolve_kernel_version`): today version 5 for every dtype, at or
+near the read ceiling on every shape measured (benchmarks/RESULTS.md); `vllmini.paged_attention(...,
+kernel_version=n)` selects another for teaching and benchmarking. `vllmini.cuda_kernels` compiles and
+launches them.
 """
 
 from __future__ import annotations

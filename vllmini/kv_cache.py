@@ -64,26 +64,24 @@ def reshape_and_cache(
     """
     check_cache_pair(key_cache, value_cache)
     num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
+    device = key_cache.device
     kv_shape = (None, num_kv_heads, head_size)  # (num_tokens, num_kv_heads, head_size)
     for name, t in (("key", key), ("value", value)):
-        check_tensor(
-            t, name, dtypes=key_cache.dtype, device=key_cache.device, shape=kv_shape, shape_desc=_NEW
-        )
+        check_tensor(t, name, dtypes=key_cache.dtype, device=device, shape=kv_shape, shape_desc=_NEW)
     if key.shape != value.shape:
         raise InvalidArgumentError(f"key and value shapes differ: {tuple(key.shape)} vs {tuple(value.shape)}")
     check_tensor(
         slot_mapping,
         "slot_mapping",
         dtypes=_INT_DTYPES,
-        device=key_cache.device,
+        device=device,
         shape=(key.shape[0],),
         shape_desc="[num_tokens]",
     )
 
     slots = slot_mapping.to(torch.int64)
     if validate:
-        has_padding = check_slot_mapping(slot_mapping, num_blocks * block_size)
-        if has_padding:
+        if check_slot_mapping(slot_mapping, num_blocks * block_size):  # -1 rows present: drop them
             keep = slots >= 0
             slots, key, value = slots[keep], key[keep], value[keep]
     elif padding:  # no sync: a padding row becomes a copy of row 0 (same slot, same bytes)
@@ -184,8 +182,7 @@ class PagedKVCache:
         num_layers: int, num_kv_heads: int, head_size: int, block_size: int, dtype: torch.dtype
     ) -> int:
         """Bytes one block id costs across all layers, K and V together."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * block_size * num_kv_heads * head_size * itemsize
+        return 2 * num_layers * block_size * num_kv_heads * head_size * dtype.itemsize
 
     @property
     def nbytes(self) -> int:

@@ -1,6 +1,6 @@
 """How one call launches a kernel version: the grid, the block, shared memory and, for version 5, how
 a context is split into pieces (FlashDecoding; vLLM's paged_attention_v2) -- decided on the host from
-sizes alone (no device values, so no sync). Used by `vllmini.cuda_kernels`, which re-exports every name.
+sizes alone (no device values, so no sync). Used by `vllmini.cuda_kernels`.
 """
 
 from __future__ import annotations
@@ -18,9 +18,7 @@ if TYPE_CHECKING:
 WARP_SIZE = 32
 EMULATOR_SMS = 4  # the "multiprocessors" launch_plan assumes for the emulator (a CPU runs blocks one by one)
 SPLIT_TARGET_BLOCKS_PER_SM = 8  # version 5 splits contexts until the grid has this many blocks per SM
-MIN_SPLIT_TOKENS = (
-    256  # ... but never into pieces shorter than this (the merge would cost more than it gains)
-)
+MIN_SPLIT_TOKENS = 256  # ... but into no piece shorter than this (the merge would cost more than it gains)
 MERGE_THREADS = 128
 
 
