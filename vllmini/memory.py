@@ -23,6 +23,7 @@ from vllmini.checks import as_float, as_int, as_pair, cdiv, one_of
 from vllmini.errors import InvalidArgumentError, InvalidTypeError
 
 SCHEMES = ("static", "pow2", "oracle", "paged")
+Requests = Sequence[tuple[int, int]]  # (input_len, output_len) of each request
 
 
 # -----------------------------------------------------------------------------
@@ -100,13 +101,11 @@ def sample_requests(
 ) -> list[tuple[int, int]]:
     """Draw n synthetic (input_len, output_len) pairs, seeded.
 
-    Each length is lognormal, LogNormal(mu, sigma) with mu = ln(mean) - sigma**2 / 2 so that its mean
-    is the paper's: ShareGPT 161.31 input / 337.99 output tokens, Alpaca 19.31 / 58.45 (Kwon et al.,
-    SOSP 2023), sigmas in WORKLOADS. Lengths are rounded to ints >= 1, then clipped like a server
-    would: the prompt to at most max_len - 1, the output to max_len - input_len, so that
-    input_len + output_len <= max_len. Clipping lowers the means: at max_len 2048 by about 1.5% for
-    ShareGPT's outputs and under 1% otherwise; by much more at small max_len (ShareGPT outputs: -9% at
-    1024, -32% at 512), as a server that caps lengths would.
+    Each length is LogNormal(mu, sigma) with mu = ln(mean) - sigma**2 / 2, so that its mean is the
+    paper's (WORKLOADS). Lengths are rounded to ints >= 1, then clipped as a server would: the prompt to
+    at most max_len - 1, the output to max_len - input_len, so input_len + output_len <= max_len.
+    Clipping lowers the means: at max_len 2048 by about 1.5% for ShareGPT's outputs and under 1%
+    otherwise; by much more at small max_len (ShareGPT outputs: -9% at 1024, -32% at 512).
     """
     n = as_int(n, "n", min=0)
     one_of(workload, "workload", sorted(WORKLOADS))
@@ -143,15 +142,13 @@ def reserved_slots(
             f"final_len must be <= max_len={max_len} under scheme {scheme!r}, got {final_len}"
         )
     block_size = as_int(block_size, "block_size", min=1)
-    if num_tokens is not None:
-        num_tokens = as_int(num_tokens, "num_tokens", min=0, max=final_len)
+    held = final_len if num_tokens is None else as_int(num_tokens, "num_tokens", min=0, max=final_len)
     if scheme == "static":
         return max_len
     if scheme == "pow2":
         return min(1 << (final_len - 1).bit_length(), max_len)
     if scheme == "oracle":
         return final_len
-    held = final_len if num_tokens is None else num_tokens
     return cdiv(held, block_size) * block_size  # whole blocks
 
 
@@ -177,64 +174,47 @@ class Reservation:
         return self.reserved_slots - self.tokens
 
 
-def _check_requests(requests: Sequence[tuple[int, int]], max_len: int | None) -> None:
+def _check_requests(requests: Requests, scheme: str, max_len: int) -> None:
+    """A known scheme, and requests of at most max_len tokens (any length when paged)."""
+    one_of(scheme, "scheme", SCHEMES)
     for req in requests:
         inp, out = as_pair(req, "each request (input_len, output_len)")
         inp = as_int(inp, f"input_len of request {req!r}", min=1)
         out = as_int(out, f"output_len of request {req!r}", min=0)
-        if max_len is not None and inp + out > max_len:
+        if scheme != "paged" and inp + out > max_len:
             raise InvalidArgumentError(f"request {req!r} is longer than max_len={max_len}")
 
 
-def _tokens_held(req: tuple[int, int], progress: float) -> int:
-    """Tokens a request holds once it has generated `progress` of its output."""
-    return req[0] + round(progress * req[1])
-
-
 def reservation(
-    requests: Sequence[tuple[int, int]],
-    scheme: str,
-    *,
-    max_len: int = 2048,
-    block_size: int = 16,
-    progress: float = 1.0,
+    requests: Requests, scheme: str, *, max_len: int = 2048, block_size: int = 16, progress: float = 1.0
 ) -> Reservation:
     """Slots reserved vs tokens held by `requests` (input_len, output_len), all live at once.
 
     `progress` is how much of its output every request has generated at the snapshot: 1.0 (default)
     is the moment each finishes, the best case for every scheme; 0.5 is halfway.
     """
-    _check_requests(requests, None if scheme == "paged" else max_len)
+    _check_requests(requests, scheme, max_len)
     progress = as_float(progress, "progress", min=0.0, max=1.0)
     tokens = reserved = 0
     for req in requests:
-        held = _tokens_held(req, progress)
+        held = req[0] + round(progress * req[1])  # the prompt and `progress` of the output
         tokens += held
         reserved += reserved_slots(sum(req), scheme, max_len=max_len, block_size=block_size, num_tokens=held)
     return Reservation(len(requests), tokens, reserved)
 
 
-def static_reservation(
-    requests: Sequence[tuple[int, int]], max_len: int, progress: float = 1.0
-) -> Reservation:
+def static_reservation(requests: Requests, max_len: int, progress: float = 1.0) -> Reservation:
     """Every request reserves max_len slots up front (Orca (Max))."""
     return reservation(requests, "static", max_len=max_len, progress=progress)
 
 
-def paged_reservation(
-    requests: Sequence[tuple[int, int]], block_size: int, progress: float = 1.0
-) -> Reservation:
+def paged_reservation(requests: Requests, block_size: int, progress: float = 1.0) -> Reservation:
     """Every request holds ceil(tokens / block_size) blocks: at most block_size - 1 slots wasted each."""
     return reservation(requests, "paged", block_size=block_size, progress=progress)
 
 
 def requests_that_fit(
-    requests: Sequence[tuple[int, int]],
-    kv_budget_tokens: int,
-    scheme: str,
-    *,
-    max_len: int = 2048,
-    block_size: int = 16,
+    requests: Requests, kv_budget_tokens: int, scheme: str, *, max_len: int = 2048, block_size: int = 16
 ) -> int:
     """How many requests, admitted first-come first-served, fit in a budget of kv_budget_tokens slots.
 
@@ -243,8 +223,7 @@ def requests_that_fit(
     request that does not fit, as a FCFS scheduler that never skips ahead would.
     """
     kv_budget_tokens = as_int(kv_budget_tokens, "kv_budget_tokens", min=0)
-    one_of(scheme, "scheme", SCHEMES)
-    _check_requests(requests, None if scheme == "paged" else max_len)
+    _check_requests(requests, scheme, max_len)
     used = 0
     for count, req in enumerate(requests):
         used += reserved_slots(sum(req), scheme, max_len=max_len, block_size=block_size)
