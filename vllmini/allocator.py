@@ -23,7 +23,6 @@ class BlockAllocator:
         self._ref_counts: dict[int, int] = {}  # allocated block -> owners (>= 1); absent = free
 
     # read-only views
-
     @property
     def num_free_blocks(self) -> int:
         return len(self._free) + self.num_blocks - self._next_unused
@@ -42,7 +41,6 @@ class BlockAllocator:
         return self._ref_counts.get(self._check_id(block_id), 0)
 
     # state changes
-
     def allocate(self) -> int:
         """Take the next free block; it starts with ref_count 1."""
         if self._free:
@@ -74,7 +72,6 @@ class BlockAllocator:
         return ids
 
     # checks
-
     def _check_id(self, block_id) -> int:
         block_id = as_int(block_id, "block_id")
         if not 0 <= block_id < self.num_blocks:

@@ -114,9 +114,8 @@ class BlockTable:
             self.pending_copies.append((src, dst))
         while len(self._block_ids) < cdiv(self._num_tokens + num_tokens, self.block_size):
             self._block_ids.append(self.allocator.allocate())
-        start = self._num_tokens
         self._num_tokens += num_tokens
-        return self.slot_mapping(start, self._num_tokens)
+        return self.slot_mapping(self._num_tokens - num_tokens)
 
     def slot(self, token_index: int) -> int:
         """The physical slot (block_id * block_size + offset) that holds token `token_index`."""
@@ -142,8 +141,7 @@ class BlockTable:
     def fork(self) -> BlockTable:
         """A child table sharing every block of this one (same allocator; ref counts go up)."""
         child = BlockTable(self.allocator, self.block_size)
-        child._block_ids = self.allocator.fork(self._block_ids)
-        child._num_tokens = self._num_tokens
+        child.adopt(self.allocator.fork(self._block_ids), self._num_tokens)
         return child
 
     def free(self, release=None) -> None:
@@ -152,8 +150,7 @@ class BlockTable:
         for block_id in reversed(self._block_ids):
             if release is None or not release(block_id):
                 self.allocator.free(block_id)
-        self._block_ids = []
-        self._num_tokens = 0
+        self._block_ids, self._num_tokens = [], 0
         self.pending_copies = []  # their destination blocks are gone: never copy into them
 
     def __repr__(self) -> str:

@@ -77,9 +77,7 @@ def kv_bytes_per_token(shape: ModelShape) -> int:
 
 def kv_tokens_that_fit(shape: ModelShape, memory_bytes: int) -> int:
     """Tokens of KV cache that fit in `memory_bytes` after the weights (0 when the weights don't fit).
-
-    Ignores activations, the CUDA context and allocator slack, so a real server fits fewer.
-    """
+    Ignores activations, the CUDA context and allocator slack, so a real server fits fewer."""
     per_token = kv_bytes_per_token(shape)
     free = as_int(memory_bytes, "memory_bytes", min=0) - shape.weight_bytes
     return max(0, free // per_token)

@@ -318,8 +318,7 @@ class LlamaModel(nn.Module):
             decodes = slice(meta.num_prefills, None)  # (with the guard: no sync here; the engine checks)
             check_block_tables(meta.block_tables[decodes], meta.seq_lens[decodes], num_blocks, block_size)
         x = self.embed_tokens(input_ids)  # (T, hidden)
-        if self.inv_freq.device != positions.device:
-            self.inv_freq = self.inv_freq.to(positions.device)
+        self.inv_freq = self.inv_freq.to(positions.device)  # the same tensor when already there
         angles = positions.float()[:, None] * self.inv_freq[None, :]  # (T, hd/2), float32 as in Llama
         angles = torch.cat((angles, angles), dim=-1)  # (T, hd)
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
