@@ -1,16 +1,11 @@
 """Why the KV cache decides batch size: the arithmetic, and a small simulation.
 
-Three pieces, each small enough to check by hand:
-
-1. `ModelShape` and `kv_bytes_per_token`: every token keeps one key and one value vector per layer,
-   so its KV cache costs 2 * num_layers * num_kv_heads * head_size * dtype_bytes bytes.
-2. `sample_requests`: synthetic (input_len, output_len) pairs whose means match the workloads of the
-   PagedAttention paper (Kwon et al., SOSP 2023). The engine benchmark reuses it.
-3. A snapshot simulation of how much reserved KV memory holds real tokens, and how many requests fit in
-   a fixed budget, when every request reserves `max_len` slots up front ("static", like Orca (Max) in
-   the paper) against when it holds only the blocks its tokens fill ("paged").
-
-Nothing here allocates GPU memory or imports torch; it is arithmetic on lengths.
+Read in order: `kv_bytes_per_token` (what one token's keys and values cost), `sample_requests`
+(synthetic workloads with the mean lengths of the PagedAttention paper, Kwon et al., SOSP 2023; the
+engine benchmark reuses it), then `reservation` and `requests_that_fit`: how much reserved KV memory
+holds real tokens, and how many requests fit in a budget, when every request reserves `max_len` slots up
+front ("static", like Orca (Max) in the paper) against when it holds only the blocks its tokens fill
+("paged"). Nothing here allocates GPU memory or imports torch; it is arithmetic on lengths.
 """
 
 import math
