@@ -139,8 +139,7 @@ def as_bool(value, name: str) -> bool:
 def as_token_ids(values, name: str) -> list[int]:
     """A list of token ids from a list/tuple/range of ints or a 1-D integer tensor or array."""
     if hasattr(values, "dtype") and hasattr(values, "tolist"):  # a torch tensor or numpy array
-        kind = str(values.dtype)
-        if values.ndim != 1 or "int" not in kind:  # floats, complex and bool are refused
+        if values.ndim != 1 or "int" not in str(values.dtype):  # floats, complex and bool are refused
             raise InvalidTypeError(
                 f"{name} must be a 1-D integer tensor or array, got {values.dtype} of shape "
                 f"{tuple(values.shape)}"
