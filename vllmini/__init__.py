@@ -9,40 +9,24 @@ from importlib import import_module
 
 __version__ = "0.2.0"
 
-# public name -> module that defines it
-_EXPORTS = {
-    "VllminiError": "errors",
-    "OutOfBlocksError": "errors",
-    "InvalidArgumentError": "errors",
-    "InvalidTypeError": "errors",
-    "BlockIdError": "errors",
-    "InvalidIndexError": "errors",
-    "CheckpointError": "errors",
-    "CheckpointNotFoundError": "errors",
-    "KernelBuildError": "errors",
-    "KernelLaunchError": "errors",
-    "KernelSourceNotFoundError": "errors",
-    "InvalidBlockTableError": "errors",
-    "EngineStateError": "errors",
-    "BlockAllocator": "allocator",
-    "BlockTable": "block_table",
-    "BlockManager": "block_manager",
-    "PagedKVCache": "kv_cache",
-    "reshape_and_cache": "kv_cache",
-    "paged_attention": "attention",
-    "paged_prefill_attention": "attention",
-    "check_kernel_errors": "attention",
-    "LlamaConfig": "model",
-    "LlamaModel": "model",
-    "Sequence": "scheduler",
-    "Scheduler": "scheduler",
-    "SamplingParams": "sampling",
-    "EngineConfig": "config",
-    "RequestOutput": "outputs",
-    "CompletionOutput": "outputs",
-    "Logprob": "outputs",
-    "LLMEngine": "engine",
+# module -> the public names it defines
+_NAMES = {
+    "errors": "VllminiError OutOfBlocksError InvalidArgumentError InvalidTypeError BlockIdError "
+    "InvalidIndexError CheckpointError CheckpointNotFoundError KernelBuildError KernelLaunchError "
+    "KernelSourceNotFoundError InvalidBlockTableError EngineStateError",
+    "allocator": "BlockAllocator",
+    "block_table": "BlockTable",
+    "block_manager": "BlockManager",
+    "kv_cache": "PagedKVCache reshape_and_cache",
+    "attention": "paged_attention paged_prefill_attention check_kernel_errors",
+    "model": "LlamaConfig LlamaModel",
+    "scheduler": "Sequence Scheduler",
+    "sampling": "SamplingParams",
+    "config": "EngineConfig",
+    "outputs": "RequestOutput CompletionOutput Logprob",
+    "engine": "LLMEngine",
 }
+_EXPORTS = {name: module for module, names in _NAMES.items() for name in names.split()}
 _SUBMODULES = set(
     "errors checks memory allocator block_table block_manager prefix_cache kv_cache attention "
     "attention_checks kernel_registry launch_plan cuda_kernels emulator loader model sequence "

@@ -1,14 +1,10 @@
 """The block allocator: a pool of physical KV-cache block ids with reference counts.
 
-The KV cache is cut into `num_blocks` fixed-size blocks. The allocator knows nothing about tokens or
-tensors; it only hands out block ids and takes them back. The free list is lazy: ids never handed out
-are implicit (every id >= a high-water mark), and returned ids sit on a stack (a Python list) that is
-used first. So `allocate()` and `free()` are O(1), and a pool of 10**12 blocks costs nothing until used.
-A reference count per allocated block lets several sequences share it (after a fork) until the last
-owner lets go.
-
-Every method checks its arguments first and changes state only after all checks passed, so a failed
-call leaves the allocator exactly as it was.
+It knows nothing about tokens or tensors: it hands out block ids and takes them back, in O(1). The free
+list is lazy: ids never handed out are implicit (every id >= a high-water mark) and returned ids sit on a
+stack that is used first, so a pool of 10**12 blocks costs nothing until used. A reference count per block
+lets several sequences share it (after a fork) until the last owner lets go. Every method checks its
+arguments before changing anything, so a failed call leaves the allocator exactly as it was.
 """
 
 from collections.abc import Sequence
@@ -22,15 +18,11 @@ class BlockAllocator:
 
     def __init__(self, num_blocks: int):
         self.num_blocks = as_int(num_blocks, "num_blocks", min=1)
-        # block 0 comes first on a fresh pool and the block freed last is reused first (any order is
-        # correct): returned ids are a stack whose END is next, used before the never-used ids
         self._next_unused = 0  # high-water mark: ids >= this were never handed out
-        self._free: list[int] = []  # returned ids
+        self._free: list[int] = []  # returned ids, a stack: the last freed is reused first (any order works)
         self._ref_counts: dict[int, int] = {}  # allocated block -> owners (>= 1); absent = free
 
-    # ----------------------------------------------------------------------------------------------
     # read-only views
-
     @property
     def num_free_blocks(self) -> int:
         return len(self._free) + self.num_blocks - self._next_unused
@@ -48,9 +40,7 @@ class BlockAllocator:
         """How many owners hold `block_id` (0 when it is free)."""
         return self._ref_counts.get(self._check_id(block_id), 0)
 
-    # ----------------------------------------------------------------------------------------------
     # state changes
-
     def allocate(self) -> int:
         """Take the next free block; it starts with ref_count 1."""
         if self._free:
@@ -81,9 +71,7 @@ class BlockAllocator:
             self._ref_counts[block_id] += 1
         return ids
 
-    # ----------------------------------------------------------------------------------------------
     # checks
-
     def _check_id(self, block_id) -> int:
         block_id = as_int(block_id, "block_id")
         if not 0 <= block_id < self.num_blocks:

@@ -6,14 +6,10 @@ A `BlockTable` is one sequence's page table. Its logical block i (tokens i*block
     slot(t) = block_ids[t // block_size] * block_size + t % block_size
 
 in a cache laid out as [num_blocks, block_size, ...]. Appending tokens allocates a new block only when
-the last one is full. `block_fill` and `pool_utilization` say how full the blocks of some tables are.
-
-Forked tables share blocks (reference counts). Writing into a shared, partly filled last block would
-clobber the other owner's tokens, so `append_tokens` first gives the sequence a private copy
-(copy-on-write) and records (src_block, dst_block) in `pending_copies` for the KV-cache owner.
-
-One table per sequence over a shared pool is `BlockManager`'s job, in `vllmini/block_manager.py`
-(`from vllmini.block_table import BlockManager` still works).
+the last one is full. Forked tables share blocks (reference counts). Writing into a shared, partly filled
+last block would clobber the other owner's tokens, so `append_tokens` first gives the sequence a private
+copy (copy-on-write) and records (src_block, dst_block) in `pending_copies` for the KV-cache owner.
+One table per sequence over a shared pool is `BlockManager`'s job (vllmini/block_manager.py).
 """
 
 from __future__ import annotations
@@ -37,10 +33,9 @@ def block_fill(tables: Iterable[tuple[Sequence[int], int]], block_size: int) -> 
 
 def pool_utilization(tables: Iterable[tuple[Sequence[int], int]], block_size: int, num_blocks: int,
                      used_blocks: int) -> dict:  # fmt: skip
-    """How well a pool of `num_blocks` is used by sequences given as (block_ids, num_tokens) pairs, of
-    which `used_blocks` blocks are held. num_tokens counts the physical slots that hold a token (a block
-    shared after a fork counts once); allocated_slots = used_blocks * block_size; pool_slots =
-    num_blocks * block_size. The one home of these figures (BlockManager.utilization, the pictures)."""
+    """How well a pool of `num_blocks`, `used_blocks` of them held, is used by sequences given as
+    (block_ids, num_tokens) pairs; a block shared after a fork counts once. The one home of these figures
+    (BlockManager.utilization, the pictures)."""
     num_tokens = sum(block_fill(tables, block_size).values())
     allocated_slots, pool_slots = used_blocks * block_size, num_blocks * block_size
     return {
@@ -76,9 +71,10 @@ class BlockTable:
         a prefix-cache hit starts a table on shared blocks, and an undone step puts a table back."""
         block_ids = [int(b) for b in block_ids]
         num_tokens = as_int(num_tokens, "num_tokens", min=0)
-        if cdiv(num_tokens, self.block_size) != len(block_ids):
+        needed = cdiv(num_tokens, self.block_size)
+        if needed != len(block_ids):
             raise InvalidIndexError(
-                f"{num_tokens} tokens need {cdiv(num_tokens, self.block_size)} blocks of {self.block_size}, "
+                f"{num_tokens} tokens need {needed} blocks of {self.block_size}, "
                 f"got {len(block_ids)} block ids"
             )
         self._block_ids, self._num_tokens = block_ids, num_tokens
@@ -112,16 +108,14 @@ class BlockTable:
                 f"appending {num_tokens} tokens needs {needed} new blocks, but only {free} are free"
             )
         if self._needs_copy(num_tokens):
-            src = self._block_ids[-1]
-            dst = self.allocator.allocate()
+            src, dst = self._block_ids[-1], self.allocator.allocate()
             self.allocator.free(src)  # drop our reference; the other owners keep theirs
             self._block_ids[-1] = dst
             self.pending_copies.append((src, dst))
         while len(self._block_ids) < cdiv(self._num_tokens + num_tokens, self.block_size):
             self._block_ids.append(self.allocator.allocate())
-        start = self._num_tokens
         self._num_tokens += num_tokens
-        return self.slot_mapping(start, self._num_tokens)
+        return self.slot_mapping(self._num_tokens - num_tokens)
 
     def slot(self, token_index: int) -> int:
         """The physical slot (block_id * block_size + offset) that holds token `token_index`."""
@@ -147,8 +141,7 @@ class BlockTable:
     def fork(self) -> BlockTable:
         """A child table sharing every block of this one (same allocator; ref counts go up)."""
         child = BlockTable(self.allocator, self.block_size)
-        child._block_ids = self.allocator.fork(self._block_ids)
-        child._num_tokens = self._num_tokens
+        child.adopt(self.allocator.fork(self._block_ids), self._num_tokens)
         return child
 
     def free(self, release=None) -> None:
@@ -157,8 +150,7 @@ class BlockTable:
         for block_id in reversed(self._block_ids):
             if release is None or not release(block_id):
                 self.allocator.free(block_id)
-        self._block_ids = []
-        self._num_tokens = 0
+        self._block_ids, self._num_tokens = [], 0
         self.pending_copies = []  # their destination blocks are gone: never copy into them
 
     def __repr__(self) -> str:
@@ -169,8 +161,7 @@ class BlockTable:
 
 
 def __getattr__(name: str):
-    """`BlockManager` from its old home (vllmini/block_manager.py imports this module, so it is looked
-    up on first use rather than imported here: the two modules never import each other at load time)."""
+    """`BlockManager` from its old home, looked up on first use: block_manager.py imports this module."""
     if name == "BlockManager":
         from vllmini.block_manager import BlockManager
 

@@ -23,7 +23,7 @@ def _is_bool(value) -> bool:
     return isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool")
 
 
-def as_int(value, name: str, *, min: int | None = None, max: int | None = None) -> int:  # noqa: A002
+def as_int(value, name: str, *, min: int | None = None, max: int | None = None) -> int:
     """`value` as a Python int within [min, max] (either bound optional)."""
     if _is_bool(value):
         raise InvalidTypeError(f"{name} must be an int, got bool {value!r}")
@@ -56,12 +56,7 @@ def as_pair(value, name: str) -> tuple:
 
 
 def as_float(
-    value,
-    name: str,
-    *,
-    min: float | None = None,
-    max: float | None = None,
-    finite: bool = True,  # noqa: A002
+    value, name: str, *, min: float | None = None, max: float | None = None, finite: bool = True
 ) -> float:
     """`value` (any real number but a bool) as a Python float within [min, max]."""
     if _is_bool(value):
@@ -125,13 +120,12 @@ def check_tensor(
             raise InvalidTypeError(f"{name} must be {want}, got {t.dtype}")
     if device is not None and t.device != torch.device(device):
         raise InvalidArgumentError(f"{name} must be on {device}, got {t.device}")
-    if shape is not None:
-        if t.dim() != len(shape) or any(
-            w is not None and s != w for s, w in zip(t.shape, shape, strict=False)
-        ):
-            want = "[" + ", ".join("*" if w is None else str(w) for w in shape) + "]"
-            want = f"{shape_desc} = {want}" if shape_desc else f"of shape {want}"
-            raise InvalidArgumentError(f"{name} must be {want}, got shape {tuple(t.shape)}")
+    if shape is not None and (
+        t.dim() != len(shape) or any(w is not None and s != w for s, w in zip(t.shape, shape, strict=True))
+    ):
+        want = "[" + ", ".join("*" if w is None else str(w) for w in shape) + "]"
+        want = f"{shape_desc} = {want}" if shape_desc else f"of shape {want}"
+        raise InvalidArgumentError(f"{name} must be {want}, got shape {tuple(t.shape)}")
     return t
 
 
@@ -145,8 +139,7 @@ def as_bool(value, name: str) -> bool:
 def as_token_ids(values, name: str) -> list[int]:
     """A list of token ids from a list/tuple/range of ints or a 1-D integer tensor or array."""
     if hasattr(values, "dtype") and hasattr(values, "tolist"):  # a torch tensor or numpy array
-        kind = str(values.dtype)
-        if values.ndim != 1 or "int" not in kind:  # floats, complex and bool are refused
+        if values.ndim != 1 or "int" not in str(values.dtype):  # floats, complex and bool are refused
             raise InvalidTypeError(
                 f"{name} must be a 1-D integer tensor or array, got {values.dtype} of shape "
                 f"{tuple(values.shape)}"

@@ -1,23 +1,8 @@
 """The package's exceptions: one base class, so callers can catch everything vllmini raises on purpose.
 
 Each subclass also derives from the builtin that code outside vllmini would expect, so `except ValueError`
-(or TypeError, IndexError, ...) keeps working:
-
-    VllminiError
-    ├── InvalidArgumentError   (ValueError)     a value out of range, a wrong shape, an unknown option
-    ├── InvalidTypeError       (TypeError)      a wrong type or dtype
-    ├── BlockIdError           (IndexError)     a block id outside the pool, or one not allocated
-    ├── InvalidIndexError      (IndexError)     another index (a token, a layer) outside its range
-    ├── OutOfBlocksError                        the pool has no free block left for the request
-    ├── CheckpointError        (ValueError)     a checkpoint, config or tokenizer file that cannot be read
-    │   └── CheckpointNotFoundError (FileNotFoundError)  ... or that is not there
-    ├── KernelBuildError       (RuntimeError)   a .cu file that does not compile (NVRTC or the emulator)
-    ├── KernelSourceNotFoundError (FileNotFoundError)  a .cu file (or kernels/) that is not there
-    ├── KernelLaunchError      (RuntimeError)   a launch that failed, hung, or was stopped
-    ├── InvalidBlockTableError (ValueError)     a block table entry outside the pool (host check or guard)
-    └── EngineStateError       (RuntimeError)   an engine call that does not fit its current state
-
-Programming errors inside the package (broken invariants no caller can cause) stay plain `assert`s.
+(or TypeError, IndexError, FileNotFoundError, ...) keeps working. Programming errors inside the package
+(broken invariants no caller can cause) stay plain `assert`s.
 """
 
 

@@ -1,16 +1,11 @@
 """Why the KV cache decides batch size: the arithmetic, and a small simulation.
 
-Three pieces, each small enough to check by hand:
-
-1. `ModelShape` and `kv_bytes_per_token`: every token keeps one key and one value vector per layer,
-   so its KV cache costs 2 * num_layers * num_kv_heads * head_size * dtype_bytes bytes.
-2. `sample_requests`: synthetic (input_len, output_len) pairs whose means match the workloads of the
-   PagedAttention paper (Kwon et al., SOSP 2023). The engine benchmark reuses it.
-3. A snapshot simulation of how much reserved KV memory holds real tokens, and how many requests fit in
-   a fixed budget, when every request reserves `max_len` slots up front ("static", like Orca (Max) in
-   the paper) against when it holds only the blocks its tokens fill ("paged").
-
-Nothing here allocates GPU memory or imports torch; it is arithmetic on lengths.
+Read in order: `kv_bytes_per_token` (what one token's keys and values cost), `sample_requests`
+(synthetic workloads with the mean lengths of the PagedAttention paper, Kwon et al., SOSP 2023; the
+engine benchmark reuses it), then `reservation` and `requests_that_fit`: how much reserved KV memory
+holds real tokens, and how many requests fit in a budget, when every request reserves `max_len` slots up
+front ("static", like Orca (Max) in the paper) against when it holds only the blocks its tokens fill
+("paged"). Nothing here allocates GPU memory or imports torch; it is arithmetic on lengths.
 """
 
 import math
@@ -23,6 +18,7 @@ from vllmini.checks import as_float, as_int, as_pair, cdiv, one_of
 from vllmini.errors import InvalidArgumentError, InvalidTypeError
 
 SCHEMES = ("static", "pow2", "oracle", "paged")
+Requests = Sequence[tuple[int, int]]  # (input_len, output_len) of each request
 
 
 # -----------------------------------------------------------------------------
@@ -76,9 +72,7 @@ def kv_bytes_per_token(shape: ModelShape) -> int:
 
 def kv_tokens_that_fit(shape: ModelShape, memory_bytes: int) -> int:
     """Tokens of KV cache that fit in `memory_bytes` after the weights (0 when the weights don't fit).
-
-    Ignores activations, the CUDA context and allocator slack, so a real server fits fewer.
-    """
+    Ignores activations, the CUDA context and allocator slack, so a real server fits fewer."""
     per_token = kv_bytes_per_token(shape)
     free = as_int(memory_bytes, "memory_bytes", min=0) - shape.weight_bytes
     return max(0, free // per_token)
@@ -100,13 +94,11 @@ def sample_requests(
 ) -> list[tuple[int, int]]:
     """Draw n synthetic (input_len, output_len) pairs, seeded.
 
-    Each length is lognormal, LogNormal(mu, sigma) with mu = ln(mean) - sigma**2 / 2 so that its mean
-    is the paper's: ShareGPT 161.31 input / 337.99 output tokens, Alpaca 19.31 / 58.45 (Kwon et al.,
-    SOSP 2023), sigmas in WORKLOADS. Lengths are rounded to ints >= 1, then clipped like a server
-    would: the prompt to at most max_len - 1, the output to max_len - input_len, so that
-    input_len + output_len <= max_len. Clipping lowers the means: at max_len 2048 by about 1.5% for
-    ShareGPT's outputs and under 1% otherwise; by much more at small max_len (ShareGPT outputs: -9% at
-    1024, -32% at 512), as a server that caps lengths would.
+    Each length is LogNormal(mu, sigma) with mu = ln(mean) - sigma**2 / 2, so that its mean is the
+    paper's (WORKLOADS). Lengths are rounded to ints >= 1, then clipped as a server would: the prompt to
+    at most max_len - 1, the output to max_len - input_len, so input_len + output_len <= max_len.
+    Clipping lowers the means: at max_len 2048 by about 1.5% for ShareGPT's outputs and under 1%
+    otherwise; by much more at small max_len (ShareGPT outputs: -9% at 1024, -32% at 512).
     """
     n = as_int(n, "n", min=0)
     one_of(workload, "workload", sorted(WORKLOADS))
@@ -143,15 +135,13 @@ def reserved_slots(
             f"final_len must be <= max_len={max_len} under scheme {scheme!r}, got {final_len}"
         )
     block_size = as_int(block_size, "block_size", min=1)
-    if num_tokens is not None:
-        num_tokens = as_int(num_tokens, "num_tokens", min=0, max=final_len)
+    held = final_len if num_tokens is None else as_int(num_tokens, "num_tokens", min=0, max=final_len)
     if scheme == "static":
         return max_len
     if scheme == "pow2":
         return min(1 << (final_len - 1).bit_length(), max_len)
     if scheme == "oracle":
         return final_len
-    held = final_len if num_tokens is None else num_tokens
     return cdiv(held, block_size) * block_size  # whole blocks
 
 
@@ -177,64 +167,47 @@ class Reservation:
         return self.reserved_slots - self.tokens
 
 
-def _check_requests(requests: Sequence[tuple[int, int]], max_len: int | None) -> None:
+def _check_requests(requests: Requests, scheme: str, max_len: int) -> None:
+    """A known scheme, and requests of at most max_len tokens (any length when paged)."""
+    one_of(scheme, "scheme", SCHEMES)
     for req in requests:
         inp, out = as_pair(req, "each request (input_len, output_len)")
         inp = as_int(inp, f"input_len of request {req!r}", min=1)
         out = as_int(out, f"output_len of request {req!r}", min=0)
-        if max_len is not None and inp + out > max_len:
+        if scheme != "paged" and inp + out > max_len:
             raise InvalidArgumentError(f"request {req!r} is longer than max_len={max_len}")
 
 
-def _tokens_held(req: tuple[int, int], progress: float) -> int:
-    """Tokens a request holds once it has generated `progress` of its output."""
-    return req[0] + round(progress * req[1])
-
-
 def reservation(
-    requests: Sequence[tuple[int, int]],
-    scheme: str,
-    *,
-    max_len: int = 2048,
-    block_size: int = 16,
-    progress: float = 1.0,
+    requests: Requests, scheme: str, *, max_len: int = 2048, block_size: int = 16, progress: float = 1.0
 ) -> Reservation:
     """Slots reserved vs tokens held by `requests` (input_len, output_len), all live at once.
 
     `progress` is how much of its output every request has generated at the snapshot: 1.0 (default)
     is the moment each finishes, the best case for every scheme; 0.5 is halfway.
     """
-    _check_requests(requests, None if scheme == "paged" else max_len)
+    _check_requests(requests, scheme, max_len)
     progress = as_float(progress, "progress", min=0.0, max=1.0)
     tokens = reserved = 0
     for req in requests:
-        held = _tokens_held(req, progress)
+        held = req[0] + round(progress * req[1])  # the prompt and `progress` of the output
         tokens += held
         reserved += reserved_slots(sum(req), scheme, max_len=max_len, block_size=block_size, num_tokens=held)
     return Reservation(len(requests), tokens, reserved)
 
 
-def static_reservation(
-    requests: Sequence[tuple[int, int]], max_len: int, progress: float = 1.0
-) -> Reservation:
+def static_reservation(requests: Requests, max_len: int, progress: float = 1.0) -> Reservation:
     """Every request reserves max_len slots up front (Orca (Max))."""
     return reservation(requests, "static", max_len=max_len, progress=progress)
 
 
-def paged_reservation(
-    requests: Sequence[tuple[int, int]], block_size: int, progress: float = 1.0
-) -> Reservation:
+def paged_reservation(requests: Requests, block_size: int, progress: float = 1.0) -> Reservation:
     """Every request holds ceil(tokens / block_size) blocks: at most block_size - 1 slots wasted each."""
     return reservation(requests, "paged", block_size=block_size, progress=progress)
 
 
 def requests_that_fit(
-    requests: Sequence[tuple[int, int]],
-    kv_budget_tokens: int,
-    scheme: str,
-    *,
-    max_len: int = 2048,
-    block_size: int = 16,
+    requests: Requests, kv_budget_tokens: int, scheme: str, *, max_len: int = 2048, block_size: int = 16
 ) -> int:
     """How many requests, admitted first-come first-served, fit in a budget of kv_budget_tokens slots.
 
@@ -243,8 +216,7 @@ def requests_that_fit(
     request that does not fit, as a FCFS scheduler that never skips ahead would.
     """
     kv_budget_tokens = as_int(kv_budget_tokens, "kv_budget_tokens", min=0)
-    one_of(scheme, "scheme", SCHEMES)
-    _check_requests(requests, None if scheme == "paged" else max_len)
+    _check_requests(requests, scheme, max_len)
     used = 0
     for count, req in enumerate(requests):
         used += reserved_slots(sum(req), scheme, max_len=max_len, block_size=block_size)

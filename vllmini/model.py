@@ -4,14 +4,11 @@ The model is the usual Llama stack (token embedding, N x [RMSNorm -> grouped-que
 rotary embeddings -> residual, RMSNorm -> SwiGLU MLP -> residual], RMSNorm, lm_head), written out in
 one file. What is different from a textbook decoder is the batch it eats: one flat list of tokens
 from many sequences at once, `input_ids [num_tokens]` and `positions [num_tokens]`, plus an
-`AttentionMetadata` that says where each token's K/V goes (`slot_mapping`) and which pages each
-sequence reads (`block_tables`, `seq_lens`). Prefill sequences come first (each several new tokens,
-`paged_prefill_attention`), decode sequences after (one new token each, `paged_attention`), so a
-step that mixes both is still one forward. The forward returns the logits of each sequence's last
-token. (AttentionMetadata lives in vllmini.attention; `from vllmini.model import AttentionMetadata` works.)
-
-Weights load from a Hugging Face Llama checkpoint directory (config.json + safetensors, single file
-or sharded) or from an in-memory `transformers` model, through `vllmini.loader`; nothing is downloaded.
+`AttentionMetadata` (from vllmini.attention) that says where each token's K/V goes (`slot_mapping`) and
+which pages each sequence reads (`block_tables`, `seq_lens`). Prefill sequences come first (each several
+new tokens, `paged_prefill_attention`), decode sequences after (one new token each, `paged_attention`),
+so a step that mixes both is still one forward. The forward returns the logits of each sequence's last
+token. Weights load from a Hugging Face checkpoint or a `transformers` model (vllmini.loader).
 """
 
 from __future__ import annotations
@@ -38,8 +35,7 @@ from vllmini.errors import CheckpointError, InvalidArgumentError, InvalidTypeErr
 from vllmini.kv_cache import check_slot_mapping, reshape_and_cache
 from vllmini.loader import as_dict, load_hf_state_dict, read_checkpoint, read_checkpoint_file, read_json
 
-ROPE_TYPES = ("default", "linear", "llama3")
-ROPE_KEYS = {  # what each rope type reads from its scaling dict
+ROPE_KEYS = {  # rope type -> what it reads from its scaling dict
     "default": (),
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -97,7 +93,7 @@ class LlamaConfig:
                 raise InvalidTypeError(f"rope_scaling must be a dict or None, got {self.rope_scaling!r}")
             scaling = dict(self.rope_scaling)
             old_name = scaling.pop("type", None)  # older configs' key for rope_type
-            kind = one_of(scaling.setdefault("rope_type", old_name), "rope type", ROPE_TYPES)
+            kind = one_of(scaling.setdefault("rope_type", old_name), "rope type", ROPE_KEYS)
             missing = [key for key in ROPE_KEYS[kind] if key not in scaling]
             if missing:
                 raise InvalidArgumentError(f"rope_scaling of type {kind!r} lacks {missing}")
@@ -116,21 +112,17 @@ class LlamaConfig:
         if not rope:  # the older style: the scaling dict sits on its own
             rope = dict(as_dict(d.get("rope_scaling"), "rope_scaling"))
         one_of(rope.pop("partial_rotary_factor", 1.0), "partial_rotary_factor", (1.0,))
-        names = {f for f in cls.__dataclass_fields__ if f not in ("rope_theta", "rope_scaling")}
         missing = [f.name for f in fields(cls) if f.default is MISSING and d.get(f.name) is None]
         if missing:
             raise InvalidArgumentError(f"the config lacks {missing}")
-        return cls(
-            **{k: d[k] for k in names if k in d and d[k] is not None},
-            rope_theta=theta,
-            rope_scaling=rope or None,
-        )
+        kwargs = {f.name: d[f.name] for f in fields(cls) if d.get(f.name) is not None}
+        kwargs.update(rope_theta=theta, rope_scaling=rope or None)  # as read above, in either style
+        return cls(**kwargs)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> LlamaConfig:
         """From the config.json in checkpoint directory `path`; a bad file is a CheckpointError naming it."""
-        file = Path(path) / "config.json"
-        return read_checkpoint_file(file, lambda f: cls.from_dict(read_json(f)))
+        return read_checkpoint_file(Path(path) / "config.json", lambda f: cls.from_dict(read_json(f)))
 
 
 # -----------------------------------------------------------------------------
@@ -159,12 +151,10 @@ def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
     """
     dim = config.head_dim
     inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim)
-    scaling = config.rope_scaling
-    if scaling is None:
-        pass
-    elif scaling["rope_type"] == "linear":
+    scaling = config.rope_scaling or {}  # {}: plain RoPE
+    if scaling.get("rope_type") == "linear":
         inv_freq = inv_freq / scaling["factor"]
-    else:  # llama3
+    elif scaling.get("rope_type") == "llama3":
         factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
         old_len = scaling["original_max_position_embeddings"]
         wavelen = 2 * math.pi / inv_freq
@@ -328,8 +318,7 @@ class LlamaModel(nn.Module):
             decodes = slice(meta.num_prefills, None)  # (with the guard: no sync here; the engine checks)
             check_block_tables(meta.block_tables[decodes], meta.seq_lens[decodes], num_blocks, block_size)
         x = self.embed_tokens(input_ids)  # (T, hidden)
-        if self.inv_freq.device != positions.device:
-            self.inv_freq = self.inv_freq.to(positions.device)
+        self.inv_freq = self.inv_freq.to(positions.device)  # the same tensor when already there
         angles = positions.float()[:, None] * self.inv_freq[None, :]  # (T, hd/2), float32 as in Llama
         angles = torch.cat((angles, angles), dim=-1)  # (T, hd)
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
@@ -340,27 +329,19 @@ class LlamaModel(nn.Module):
         return self.lm_head(self.norm(x))
 
     def _check_cache(self, kv_cache) -> None:
-        config = self.config
+        config, shape = self.config, kv_cache.key_caches[0].shape
         want = (config.num_hidden_layers, config.num_key_value_heads, config.head_dim, self.dtype)
-        got = (
-            len(kv_cache.key_caches),
-            kv_cache.key_caches[0].shape[2],
-            kv_cache.key_caches[0].shape[3],
-            kv_cache.key_caches[0].dtype,
-        )
+        got = (len(kv_cache.key_caches), shape[2], shape[3], kv_cache.key_caches[0].dtype)
         if got != want:
             raise InvalidArgumentError(
                 f"kv_cache has (num_layers, num_kv_heads, head_size, dtype) = {got}; this model needs {want}"
             )
-        shape = kv_cache.key_caches[0].shape  # one check of the slots and tables must hold for every layer
+        # every layer's cache must have layer 0's shape: one check of the slots and tables holds for all
         for i, (kc, vc) in enumerate(zip(kv_cache.key_caches, kv_cache.value_caches, strict=True)):
             if kc.shape != shape or vc.shape != shape:
                 raise InvalidArgumentError(
                     f"layer {i}'s cache is {tuple(kc.shape)}, layer 0's is {tuple(shape)}"
                 )
-
-    # -------------------------------------------------------------------------
-    # loading
 
     @classmethod
     def from_pretrained(
