@@ -9,15 +9,12 @@ lost or duplicated.
 
 Sharing pages. A request with n samples (parallel sampling) is a group of n sequences, admitted together
 only if the whole group fits (each counts against max_num_seqs) and preempted together. A fresh group
-prefills its prompt once: the first sample computes it, the others fork its page table (reference counts),
-sample from the same logits and copy the shared, partly filled last block before writing into it
-(copy-on-write, `BlockManager.take_pending_copies`). Readmitted after preemption, the first sample
-recomputes its tokens and the others share its whole blocks as far as their tokens agree, computing only
-the rest. With prefix caching, an admitted sequence starts on the longest cached prefix of its tokens.
-Either way a prefill computes tokens [num_computed_tokens, num_tokens): it may start at k > 0.
-
-Chunked prefill (enable_chunked_prefill): a step never holds more than max_num_batched_tokens tokens.
-Running decodes go first, then prompts take chunks of what is left (vllmini/chunked_prefill.py says how).
+prefills its prompt once: the others fork the first sample's page table, sample from its logits and copy
+the shared, partly filled last block before writing into it (copy-on-write). Readmitted after preemption,
+they share the first one's whole blocks as far as their tokens agree. With prefix caching, an admitted
+sequence starts on the longest cached prefix of its tokens. Either way a prefill computes tokens
+[num_computed_tokens, num_tokens): it may start at k > 0. With enable_chunked_prefill, prompts take chunks
+of what the decodes leave of max_num_batched_tokens (vllmini/chunked_prefill.py).
 
 A step can be undone: `snapshot()` before `schedule()` and `restore()` after a failed forward put back
 every allocation, append and preemption, so the next `schedule()` makes the same batch again. A sequence
@@ -262,11 +259,9 @@ class Scheduler:
             if self.enable_chunked_prefill and seq.is_prefilling:  # blocks allocated at admission
                 continue
             if self.policy == "paged":
-                while bm.block_table(seq.seq_id).num_new_blocks(1) > bm.num_free_blocks:
+                while seq.status is SequenceStatus.RUNNING and not bm.can_append(seq.seq_id):
                     victim = queue[-1] if queue else seq  # the most recently admitted one
                     self._preempt_group(victim, queue, kept, out)
-                    if seq.status is SequenceStatus.WAITING:
-                        break
                 if seq.status is SequenceStatus.WAITING:
                     continue
                 bm.append(seq.seq_id, 1)
@@ -276,15 +271,6 @@ class Scheduler:
         # preempted ones go back to the head of the queue, in admission order (groups stay together)
         for seq in sorted(out.preempted, key=lambda s: order[id(s)], reverse=True):
             self.waiting.appendleft(seq)
-
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        self.block_manager.free(seq.seq_id)
-        self._stale.discard(seq.seq_id)
-        seq.status = SequenceStatus.WAITING
-        seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
-        out.preempted.append(seq)
 
     def _preempt_group(self, victim: Sequence, queue: list, kept: list, out: SchedulerOutput) -> None:
         """Preempt `victim` and its running siblings (a group is recomputed together), wherever they are
@@ -297,7 +283,12 @@ class Scheduler:
             if any(s is seq for s in kept):
                 kept.remove(seq)
                 out.decodes.remove(seq)
-            self._preempt(seq, out)
+            self.block_manager.free(seq.seq_id)
+            self._stale.discard(seq.seq_id)
+            seq.status, seq.num_computed_tokens = SequenceStatus.WAITING, 0
+            seq.num_preemptions += 1
+            self.num_preemptions += 1
+            out.preempted.append(seq)
 
     def _schedule_admissions(self, out: SchedulerOutput) -> None:
         """Admit waiting requests (FCFS) while they fit; not after a preemption (it would thrash). With
@@ -319,14 +310,13 @@ class Scheduler:
                 break
             if bm.num_free_blocks - need < bm.watermark_blocks:
                 break
-            if not chunked:
-                self._admit(group, hits, shares, out)
-                budget -= tokens
-                continue
             num_prefills, num_forked = len(out.prefills), len(out.forked)
             self._admit(group, hits, shares, out)
-            del out.prefills[num_prefills:], out.forked[num_forked:]  # the chunks decide what runs
-            budget = chunked_prefill.schedule_chunks(group, budget, out)
+            if chunked:
+                del out.prefills[num_prefills:], out.forked[num_forked:]  # the chunks decide what runs
+                budget = chunked_prefill.schedule_chunks(group, budget, out)
+            else:
+                budget -= tokens
 
     def _plan_admission(self, group: list[Sequence]) -> tuple[list, list, int, int]:
         """How the waiting `group` would start: prefix-cache hits of its first sample, and for each other
