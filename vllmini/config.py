@@ -40,8 +40,8 @@ class EngineConfig:
     use_cuda_graphs:        replay decode-only steps from CUDA graphs captured at start-up, one per
                             padded batch size 1, 2, 4, 8, 16, 24, ... max_cuda_graph_batch_size
                             (vllmini.cuda_graphs); prefill/mixed steps and larger batches run eagerly.
-                            None (default): on for a
-                            CUDA model with backend "cupy" or "torch", off on the CPU (True there raises).
+                            None (default): on for a CUDA model with backend "cupy" or "torch", off on
+                            the CPU (True there raises).
     max_cuda_graph_batch_size: the largest decode batch replayed from a graph (at most 512).
     """
 

@@ -18,14 +18,13 @@ OUTPUT_KINDS = ("final_only", "cumulative", "delta")  # what step() returns of a
 
 @dataclass
 class SamplingParams:
-    """How to pick each next token. temperature 0 = greedy; top_k None = off; top_p 1.0 = off.
+    """How to pick each next token. temperature 0 = greedy (so is any below 1e-5: dividing the logits by
+    it would overflow); top_k None = off; top_p 1.0 = off.
 
-    A temperature below 1e-5 also means greedy (dividing the logits by it would overflow).
     seed None: the engine derives one from its own seed and the request number, so runs repeat.
     n: samples of the prompt (parallel sampling), returned together. Sample 0 draws from a generator
-    seeded with the request's seed, sample i > 0 from one seeded with `sample_seed(seed, i)` =
-    random.Random(f"{seed}:{i}").getrandbits(63), so sample 0 equals the n=1 result and the others are
-    unrelated streams. At temperature 0 all n samples are identical.
+    seeded with the request's seed (so it equals the n=1 result), sample i > 0 from one seeded with
+    `sample_seed(seed, i)`, an unrelated stream. At temperature 0 all n samples are identical.
     The request stops at max_tokens ("length"), or at an id of stop_token_ids or the model's EOS
     ("stop"; the stop token is kept in output_token_ids). ignore_eos=True generates past EOS.
     stop: strings that end the request when its text contains one ("stop"; needs a tokenizer): the text

@@ -113,7 +113,6 @@ class Scheduler:
                 f"a request with n={n} samples needs {n} sequences, but max_num_seqs={self.max_num_seqs}"
             )
         bm = self.block_manager
-        usable = bm.num_blocks - bm.watermark_blocks
         if self.policy == "paged":
             # the last sampled token is never written to the cache: each holds at most max_len - 1 tokens;
             # the prompt's full blocks are shared, every sample owns the rest
@@ -121,12 +120,11 @@ class Scheduler:
             need = shared + n * (cdiv(seq.max_len - 1, bs) - shared)
         else:
             need = n * cdiv(self._reserve(seq), bs)
-        if need > usable:
+        if need > bm.num_blocks - bm.watermark_blocks:
             what = "request" if n == 1 else f"request with n={n} samples"
             raise InvalidArgumentError(
-                f"{what} needs {need} blocks of {bs} tokens, but the pool has "
-                f"{bm.num_blocks} blocks ({bm.watermark_blocks} held back as watermark): "
-                f"it could never fit"
+                f"{what} needs {need} blocks of {bs} tokens, but the pool has {bm.num_blocks} blocks "
+                f"({bm.watermark_blocks} held back as watermark): it could never fit"
             )
 
     def add(self, seqs: Sequence | list[Sequence]) -> None:
