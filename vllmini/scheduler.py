@@ -151,8 +151,6 @@ class Scheduler:
         """A running sequence is done: free its blocks."""
         if seq.status is not SequenceStatus.RUNNING or self._live.get(seq.seq_id) is not seq:
             raise EngineStateError(f"only running sequences can finish, got {seq}")
-        self.running.remove(seq)
-        self.block_manager.free(seq.seq_id)
         self._retire(seq, reason)
 
     def abort(self, request_id) -> Sequence | None:
@@ -161,15 +159,16 @@ class Scheduler:
         group = self._requests.get(request_id, [])
         live = [s for s in group if self._live.get(s.seq_id) is s]
         for seq in live:
-            if seq.status is SequenceStatus.RUNNING:
-                self.running.remove(seq)
-                self.block_manager.free(seq.seq_id)
-            else:
-                self.waiting.remove(seq)
             self._retire(seq, "abort")
         return group[0] if live else None
 
     def _retire(self, seq: Sequence, reason: str) -> None:
+        """Take a waiting or running `seq` out of the queues for good (freeing its blocks)."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.block_manager.free(seq.seq_id)
+        else:
+            self.waiting.remove(seq)
         del self._live[seq.seq_id]
         if all(s.seq_id not in self._live for s in seq.group):
             del self._requests[seq.request_id]
