@@ -205,10 +205,9 @@ class BlockManager:
         self._tables[child_id] = parent.fork()
 
     def free(self, seq_id) -> None:
-        """Finish `seq_id`: its blocks go back to the pool (shared ones once their last owner leaves).
-
-        A block that another sequence still has to copy from (a pending copy-on-write) stays pinned
-        until `take_pending_copies()`, so no new owner can overwrite it before the copy is made."""
+        """Finish `seq_id`: its blocks go back to the pool (shared ones once their last owner leaves). A
+        block that another sequence still has to copy from (a pending copy-on-write) stays pinned until
+        `take_pending_copies()`, so no new owner can overwrite it before the copy is made."""
         table = self.block_table(seq_id)
         del self._tables[seq_id]
         needed = {src for t in self._tables.values() for src, _ in t.pending_copies}
@@ -221,9 +220,8 @@ class BlockManager:
             self.allocator.free(block_id)
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
-        """Collect and clear every sequence's copy-on-write jobs, as (src_block, dst_block) pairs.
-
-        Copy them before allocating again: sources pinned for them go back to the pool now."""
+        """Collect and clear every sequence's copy-on-write jobs, as (src_block, dst_block) pairs. Copy
+        them before allocating again: sources pinned for them go back to the pool now."""
         pairs = []
         for table in self._tables.values():
             pairs.extend(table.pending_copies)
@@ -291,12 +289,9 @@ class BlockManager:
         return len(self._pinned)
 
     def sharing(self) -> dict:
-        """What sharing saves right now.
-
-        logical_blocks: blocks the sequences would hold without sharing (the sum of their tables);
-        shared_blocks:  physical blocks held by more than one sequence;
-        cached_blocks:  free blocks that still hold a cached prefix (evicted only on demand).
-        """
+        """What sharing saves right now: logical_blocks (what the sequences would hold without sharing,
+        the sum of their tables), shared_blocks (physical blocks held by more than one sequence) and
+        cached_blocks (free blocks that still hold a cached prefix, evicted only on demand)."""
         owners: dict[int, int] = {}  # physical block -> sequences holding it
         for table in self._tables.values():
             for block_id in table.block_ids:

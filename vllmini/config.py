@@ -70,11 +70,8 @@ class EngineConfig:
             self.gpu_memory_utilization = as_fraction(
                 self.gpu_memory_utilization, "gpu_memory_utilization", "(0, 1]"
             )
-        sizes = [
-            n
-            for n in ("num_blocks", "kv_cache_memory", "gpu_memory_utilization")
-            if getattr(self, n) is not None
-        ]
+        sizing = ("num_blocks", "kv_cache_memory", "gpu_memory_utilization")
+        sizes = [name for name in sizing if getattr(self, name) is not None]
         if len(sizes) > 1:
             raise InvalidArgumentError(
                 f"num_blocks, kv_cache_memory and gpu_memory_utilization each size the KV cache: give "

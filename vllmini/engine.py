@@ -316,7 +316,6 @@ class LLMEngine:
                 "(or abort_request() them)"
             )
         prompts = self._prompt_list(prompts)
-        params = SamplingParams() if params is None else params
         if isinstance(params, (list, tuple)):
             if len(params) != len(prompts):
                 raise InvalidArgumentError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
