@@ -285,10 +285,8 @@ class LLMEngine:
         """`prompts` as a list of prompts: one str, one list of ids or one 1-D tensor/array is one prompt."""
         if isinstance(prompts, (str, bytes, bytearray)):
             return [prompts]
-        if isinstance(prompts, (torch.Tensor, np.ndarray)):
-            if prompts.ndim == 2:  # one prompt per row
-                return list(prompts)
-            return [prompts]  # 1-D: one prompt; anything else fails in InputProcessor.encode with its shape
+        if isinstance(prompts, (torch.Tensor, np.ndarray)):  # 2-D: a prompt per row; others are one prompt
+            return list(prompts) if prompts.ndim == 2 else [prompts]  # (not 1-D: encode says its shape)
         if not isinstance(prompts, (list, tuple)):
             raise InvalidTypeError(
                 f"prompts must be a str, a list of token ids, or a list of such prompts; got "

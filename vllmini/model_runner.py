@@ -21,9 +21,7 @@ def prepare_inputs(
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """input_ids (num_tokens,), positions (num_tokens,) and the AttentionMetadata of a batch: prefills
     first (tokens [num_computed_tokens, end), which may start mid-sequence), then one token per decode."""
-    spans = [(s.num_computed_tokens, out.prefill_end(s)) for s in out.prefills]  # the tokens [start, end)
-    spans += [(s.num_tokens - 1, s.num_tokens) for s in out.decodes]  # each sequence computes
-    ids, pos = [], []
+    spans, ids, pos = out.spans, [], []
     for seq, (start, end) in zip(out.seqs, spans, strict=True):
         ids += seq.token_ids[start:end]
         pos += range(start, end)

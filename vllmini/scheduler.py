@@ -231,14 +231,10 @@ class Scheduler:
         out = SchedulerOutput()
         self._schedule_decodes(out)  # 1) running sequences decode, preempting if the pool runs out
         self._schedule_admissions(out)  # 2) waiting requests start (or take a chunk) while they fit
-        # 3) the slots of this step's new tokens: the uncomputed tokens of prefills, the last of decodes
-        bm = self.block_manager
-        for seq in out.prefills:
-            end = out.prefill_end(seq)
-            out.slot_mapping += bm.slot_mapping(seq.seq_id, seq.num_computed_tokens, end)
-            out.num_prefill_tokens += end - seq.num_computed_tokens
-        for seq in out.decodes:
-            out.slot_mapping += bm.slot_mapping(seq.seq_id, seq.num_tokens - 1, seq.num_tokens)
+        # 3) the slots of this step's new tokens
+        for seq, (start, end) in zip(out.seqs, out.spans, strict=True):
+            out.slot_mapping += self.block_manager.slot_mapping(seq.seq_id, start, end)
+        out.num_prefill_tokens = sum(end - start for start, end in out.spans[: len(out.prefills)])
         return out
 
     def _schedule_decodes(self, out: SchedulerOutput) -> None:
@@ -247,38 +243,36 @@ class Scheduler:
         decode finds no free block, the most recently admitted group is preempted."""
         bm = self.block_manager
         order = {id(s): i for i, s in enumerate(self.running)}  # admission order
-        running, queue, kept = self.running, list(self.running), []
+        queue = list(self.running)
         while queue:
             seq = queue.pop(0)
             if seq.seq_id in self._stale:  # its cached KV may be overwritten: recompute it (and its group)
-                self._preempt_group(seq, queue, kept, out)
+                self._preempt_group(seq, queue, out)
                 continue
             if self.enable_chunked_prefill and seq.is_prefilling:  # blocks allocated at admission
                 continue
             if self.policy == "paged":
                 while seq.status is SequenceStatus.RUNNING and not bm.can_append(seq.seq_id):
                     victim = queue[-1] if queue else seq  # the most recently admitted one
-                    self._preempt_group(victim, queue, kept, out)
+                    self._preempt_group(victim, queue, out)
                 if seq.status is SequenceStatus.WAITING:
                     continue
                 bm.append(seq.seq_id, 1)
-            kept.append(seq)
             out.decodes.append(seq)
-        self.running = [s for s in running if s.status is SequenceStatus.RUNNING]  # kept + prefilling
+        self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]  # decodes + prefilling
         # preempted ones go back to the head of the queue, in admission order (groups stay together)
         for seq in sorted(out.preempted, key=lambda s: order[id(s)], reverse=True):
             self.waiting.appendleft(seq)
 
-    def _preempt_group(self, victim: Sequence, queue: list, kept: list, out: SchedulerOutput) -> None:
+    def _preempt_group(self, victim: Sequence, queue: list, out: SchedulerOutput) -> None:
         """Preempt `victim` and its running siblings (a group is recomputed together), wherever they are
-        in this step's decode pass: still queued, or already given a slot."""
+        in this step's decode pass: still queued, or already given a slot (in out.decodes)."""
         for seq in victim.group:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # finished, or not admitted
-            if any(s is seq for s in queue):
+            if seq in queue:
                 queue.remove(seq)
-            if any(s is seq for s in kept):
-                kept.remove(seq)
+            if seq in out.decodes:
                 out.decodes.remove(seq)
             self.block_manager.free(seq.seq_id)
             self._stale.discard(seq.seq_id)
