@@ -219,7 +219,7 @@ class LLMEngine:
             return [], []
         seqs, rows = [s for s, _ in samplers], [i for _, i in samplers]
         params = [s.sampling_params for s in seqs]
-        saved += [(s, s.generator.get_state()) for s, p in zip(seqs, params, strict=True) if not p.is_greedy]
+        saved += [(s, s.generator.get_state()) for s in seqs if not s.sampling_params.is_greedy]
         tokens = sample_batch(logits, rows, params, [s.generator for s in seqs])
         logprobs: list = [None] * len(seqs)
         want = [j for j, p in enumerate(params) if p.logprobs is not None and isinstance(tokens[j], int)]
