@@ -232,9 +232,10 @@ class Scheduler:
         self._schedule_decodes(out)  # 1) running sequences decode, preempting if the pool runs out
         self._schedule_admissions(out)  # 2) waiting requests start (or take a chunk) while they fit
         # 3) the slots of this step's new tokens
-        for seq, (start, end) in zip(out.seqs, out.spans, strict=True):
+        spans = out.spans
+        for seq, (start, end) in zip(out.seqs, spans, strict=True):
             out.slot_mapping += self.block_manager.slot_mapping(seq.seq_id, start, end)
-        out.num_prefill_tokens = sum(end - start for start, end in out.spans[: len(out.prefills)])
+        out.num_prefill_tokens = sum(end - start for start, end in spans[: len(out.prefills)])
         return out
 
     def _schedule_decodes(self, out: SchedulerOutput) -> None:
