@@ -59,7 +59,6 @@ LATER: dict[str, tuple[str, ...]] = {
         "vllmini/block_manager.py:BlockManager._release",
         "vllmini/block_manager.py:BlockManager.sharing",
         "vllmini/model_runner.py:ModelRunner.copy_blocks",
-        "vllmini/engine.py:LLMEngine._copy_on_write",
         "vllmini/outputs.py:CompletionOutput",
         "vllmini/outputs.py:StepStats.memory_saved",
         "vllmini/outputs.py:sharing_summary",

@@ -2,20 +2,17 @@
 
 A `BlockManager` keeps one `BlockTable` per sequence over a shared `BlockAllocator`, answers "does this
 request fit?", and builds the padded `block_tables` / `seq_lens` tensors that paged attention reads
-(vLLM's names; older vLLM called `seq_lens` `context_lens`). vLLM 0.x had this layer in
-`vllm/core/block_manager.py`.
+(vLLM's names; older vLLM called `seq_lens` `context_lens`; vLLM 0.x: `vllm/core/block_manager.py`).
 
-Forked sequences share blocks (reference counts), and a table writing into a shared, partly filled last
-block first copies it (copy-on-write; `BlockTable.append_tokens` records (src_block, dst_block) in its
-`pending_copies` for the KV-cache owner). A pending copy follows its blocks' lifetimes: freeing the
-sequence that owns dst drops it, and `BlockManager.free` keeps a src block out of the pool (pinned) until
-`take_pending_copies()` hands the copy out.
+Forked sequences share blocks (reference counts); a table writing into a shared, partly filled last block
+first copies it (copy-on-write: `BlockTable.append_tokens` records (src_block, dst_block) in its
+`pending_copies`). Freeing the sequence that owns dst drops the copy; `free` keeps a src block out of the
+pool (pinned) until `take_pending_copies()` hands the copy out.
 
-With `enable_prefix_caching`, the manager also owns a `PrefixCache`: a new sequence can start on shared
-blocks (`allocate(..., shared=blocks)`, e.g. its longest cached prefix), full computed blocks are named
-by their hash (`cache_full_blocks`), and a named block whose last owner leaves stays cached until a block
-is needed and none is plainly free: then the least recently used one is evicted. Cached blocks nobody
-holds count as free (`num_free_blocks`), and separately as `num_cached_free_blocks`.
+With `enable_prefix_caching` it also owns a `PrefixCache`: a new sequence can start on shared blocks
+(`allocate(..., shared=blocks)`, e.g. its longest cached prefix), full computed blocks are named by their
+hash (`cache_full_blocks`), and a named block whose last owner leaves stays cached, counted as free
+(`num_cached_free_blocks` of `num_free_blocks`), until a block is needed and none is plainly free.
 """
 
 from __future__ import annotations
@@ -124,8 +121,8 @@ class BlockManager:
         blocks); it shares them (reference counts) and gets its own blocks for the rest."""
         if seq_id in self._tables:
             raise VllminiError(f"seq_id {seq_id!r} already exists")
-        if not self.can_allocate(num_tokens, shared):
-            needed = self.blocks_needed(num_tokens, shared)
+        needed = self.blocks_needed(num_tokens, shared)
+        if self.num_free_blocks - needed < self.watermark_blocks:
             raise OutOfBlocksError(
                 f"seq {seq_id!r} with {num_tokens} tokens needs {needed} blocks; {self.num_free_blocks} "
                 f"are free and {self.watermark_blocks} must stay free (watermark)"
@@ -208,10 +205,9 @@ class BlockManager:
         self._tables[child_id] = parent.fork()
 
     def free(self, seq_id) -> None:
-        """Finish `seq_id`: its blocks go back to the pool (shared ones once their last owner leaves).
-
-        A block that another sequence still has to copy from (a pending copy-on-write) stays pinned
-        until `take_pending_copies()`, so no new owner can overwrite it before the copy is made."""
+        """Finish `seq_id`: its blocks go back to the pool (shared ones once their last owner leaves). A
+        block that another sequence still has to copy from (a pending copy-on-write) stays pinned until
+        `take_pending_copies()`, so no new owner can overwrite it before the copy is made."""
         table = self.block_table(seq_id)
         del self._tables[seq_id]
         needed = {src for t in self._tables.values() for src, _ in t.pending_copies}
@@ -224,9 +220,8 @@ class BlockManager:
             self.allocator.free(block_id)
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
-        """Collect and clear every sequence's copy-on-write jobs, as (src_block, dst_block) pairs.
-
-        Copy them before allocating again: sources pinned for them go back to the pool now."""
+        """Collect and clear every sequence's copy-on-write jobs, as (src_block, dst_block) pairs. Copy
+        them before allocating again: sources pinned for them go back to the pool now."""
         pairs = []
         for table in self._tables.values():
             pairs.extend(table.pending_copies)
@@ -294,12 +289,9 @@ class BlockManager:
         return len(self._pinned)
 
     def sharing(self) -> dict:
-        """What sharing saves right now.
-
-        logical_blocks: blocks the sequences would hold without sharing (the sum of their tables);
-        shared_blocks:  physical blocks held by more than one sequence;
-        cached_blocks:  free blocks that still hold a cached prefix (evicted only on demand).
-        """
+        """What sharing saves right now: logical_blocks (what the sequences would hold without sharing,
+        the sum of their tables), shared_blocks (physical blocks held by more than one sequence) and
+        cached_blocks (free blocks that still hold a cached prefix, evicted only on demand)."""
         owners: dict[int, int] = {}  # physical block -> sequences holding it
         for table in self._tables.values():
             for block_id in table.block_ids:
@@ -311,12 +303,10 @@ class BlockManager:
         }
 
     def usage(self, num_tokens: int) -> dict:
-        """`utilization()` and `sharing()` in one dict, cheap enough for every step (see StepStats).
-
-        O(sequences), where `utilization` walks every block (it counts shared blocks once; 7 ms a step at
-        16k blocks) and counts a static reservation as tokens. `num_tokens` is what the sequences hold as
-        the caller counts them; only when blocks are shared are the tables walked, to count shared blocks
-        and their tokens once."""
+        """`utilization()` and `sharing()` in one dict, cheap enough for every step (see StepStats):
+        O(sequences), where `utilization` walks every block (7 ms a step at 16k blocks) and counts a static
+        reservation as tokens. `num_tokens`: what the sequences hold, as the caller counts them; the tables
+        are walked only when blocks are shared, to count shared blocks and their tokens once."""
         used = self.num_blocks - self.num_free_blocks
         logical, shared = sum(t.num_blocks for t in self._tables.values()), 0
         if logical > used - self.num_pinned_blocks:  # some physical block has several owners

@@ -4,9 +4,7 @@ With enable_chunked_prefill a step never holds more than max_num_batched_tokens 
 (vllmini/scheduler.py) gives running decodes their token first; then sequences still prefilling, oldest
 first, and then newly admitted ones each take a chunk [num_computed_tokens, end) of what is left
 (`schedule_chunks`). A request is admitted with blocks for all its tokens, so chunks never allocate or
-preempt; a prefill that starts at k > 0 is the same mechanism prefix caching uses. Samples that fork the
-first one wait for its last chunk, then sample from its logits; samples that share some of its blocks
-wait until it has computed them. `unreached_slots`: allocated slots no chunk has written yet.
+preempt; a prefill that starts at k > 0 is the same mechanism prefix caching uses.
 """
 
 from __future__ import annotations

@@ -13,53 +13,35 @@ from vllmini.scheduler import check_policy
 
 @dataclass
 class EngineConfig:
-    """Every engine option, checked once, in one place (as nano-vllm's `Config`).
+    """Every engine option, checked once, in one place (as nano-vllm's `Config`)."""
 
-    block_size:             tokens per KV block.
-    num_blocks, kv_cache_memory, gpu_memory_utilization: what sizes the KV pool (at most one of them):
-                            a block count, a byte budget, or a share of free GPU memory. None of them:
-                            0.9 of free memory on a GPU; on a CPU room for 8 sequences of max_model_len
-                            (at most 1 GiB).
-    max_model_len:          the longest prompt + output a request may have; None = the model's
-                            max_position_embeddings.
-    backend:                decode attention: "auto", "torch", "cupy" or "emulator" (vllmini.attention).
-    policy:                 "paged", "static" or "oracle" (vllmini.scheduler).
-    watermark:              share of the pool new requests must leave free, so running ones can grow.
-    max_num_seqs:           the most sequences in one batch (a request with n samples counts n).
-    max_num_batched_tokens: the most tokens in one forward; None = max(max_model_len, 2048). Without
-                            chunked prefill it must be >= max_model_len (a prompt is prefilled in one
-                            forward); with it, anything >= 1.
-    seed:                   derives the seed of every request that has none.
-    enable_prefix_caching:  reuse the KV blocks of a prompt prefix computed before (policy "paged" only).
-                            Off by default: with nothing shared it cost 2-4% tokens/s on an H200
-                            (benchmarks/RESULTS.md).
-    enable_chunked_prefill: split prompts over several steps so a step never exceeds
-                            max_num_batched_tokens: running decodes go first, prefills take chunks of
-                            what is left (vLLM's chunked prefill; Agrawal et al., Sarathi, 2023). On by
-                            default: it cost no throughput on an H200 (benchmarks/RESULTS.md).
-    use_cuda_graphs:        replay decode-only steps from CUDA graphs captured at start-up, one per
-                            padded batch size 1, 2, 4, 8, 16, 24, ... max_cuda_graph_batch_size
-                            (vllmini.cuda_graphs); prefill/mixed steps and larger batches run eagerly.
-                            None (default): on for a
-                            CUDA model with backend "cupy" or "torch", off on the CPU (True there raises).
-    max_cuda_graph_batch_size: the largest decode batch replayed from a graph (at most 512).
-    """
-
-    block_size: int = 16
+    block_size: int = 16  # tokens per KV block
+    # what sizes the KV pool, at most one of: a block count, a byte budget, a share of free GPU memory. None
+    # of them: 0.9 of free memory on a GPU; on a CPU room for 8 sequences of max_model_len (at most 1 GiB)
     num_blocks: int | None = None
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float | None = None
-    max_model_len: int | None = None
-    backend: str = "auto"
-    policy: str = "paged"
-    watermark: float = 0.01
-    max_num_seqs: int = 256
+    max_model_len: int | None = None  # the longest prompt + output; None = max_position_embeddings
+    backend: str = "auto"  # decode attention: "auto", "torch", "cupy" or "emulator" (vllmini.attention)
+    policy: str = "paged"  # "paged", "static" or "oracle" (vllmini.scheduler)
+    watermark: float = 0.01  # share of the pool new requests must leave free, so running ones can grow
+    max_num_seqs: int = 256  # the most sequences in one batch (a request with n samples counts n)
+    # the most tokens in one forward; None = max(max_model_len, 2048). Without chunked prefill it must be
+    # >= max_model_len (a prompt is prefilled in one forward); with it, anything >= 1
     max_num_batched_tokens: int | None = None
-    seed: int = 0
+    seed: int = 0  # derives the seed of every request that has none
+    # reuse the KV blocks of a prompt prefix computed before (policy "paged" only). Off by default: with
+    # nothing shared it cost 2-4% tokens/s on an H200 (benchmarks/RESULTS.md)
     enable_prefix_caching: bool = False
+    # split prompts over several steps so a step never exceeds max_num_batched_tokens: running decodes go
+    # first, prefills take chunks of what is left (vLLM's chunked prefill; Agrawal et al., Sarathi, 2023).
+    # On by default: it cost no throughput on an H200 (benchmarks/RESULTS.md)
     enable_chunked_prefill: bool = True
+    # replay decode-only steps from CUDA graphs captured at start-up, one per padded batch size 1, 2, 4, 8,
+    # 16, 24, ... max_cuda_graph_batch_size (vllmini.cuda_graphs); prefill/mixed steps and larger batches
+    # run eagerly. None: on for a CUDA model with backend "cupy" or "torch", off on the CPU (True raises)
     use_cuda_graphs: bool | None = None
-    max_cuda_graph_batch_size: int = 256
+    max_cuda_graph_batch_size: int = 256  # the largest decode batch replayed from a graph (at most 512)
 
     def __post_init__(self):
         self.block_size = as_int(self.block_size, "block_size", min=1)
@@ -70,11 +52,8 @@ class EngineConfig:
             self.gpu_memory_utilization = as_fraction(
                 self.gpu_memory_utilization, "gpu_memory_utilization", "(0, 1]"
             )
-        sizes = [
-            n
-            for n in ("num_blocks", "kv_cache_memory", "gpu_memory_utilization")
-            if getattr(self, n) is not None
-        ]
+        sizing = ("num_blocks", "kv_cache_memory", "gpu_memory_utilization")
+        sizes = [name for name in sizing if getattr(self, name) is not None]
         if len(sizes) > 1:
             raise InvalidArgumentError(
                 f"num_blocks, kv_cache_memory and gpu_memory_utilization each size the KV cache: give "

@@ -3,11 +3,10 @@
     engine = LLMEngine.from_pretrained("path/to/llama", num_blocks=512)
     outputs = engine.generate(["Hello", "The capital of France is"], SamplingParams(max_tokens=32))
 
-Each `step()` asks the scheduler for a batch (running sequences decode one token; waiting prompts are
-admitted while blocks allow), runs ONE forward of the model over all of it, samples one token per
-sequence from that sequence's own seeded generator, and retires the finished ones. `stats` keeps one
-`StepStats` per step: batch size, blocks used and free, slots holding tokens vs slots allocated,
-preemptions, tokens generated.
+Each `step()` asks the scheduler for a batch (vllmini.scheduler: running sequences decode, waiting
+prompts are admitted while blocks allow), runs ONE forward over all of it (vllmini.model_runner), samples
+one token per sequence from that sequence's own seeded generator (vllmini.sampling), and retires the
+finished ones. `stats` keeps one `StepStats` per step (vllmini.outputs).
 
 A step is all-or-nothing. An exception or Ctrl-C before the step commits (in scheduling, the forward or
 sampling) rolls it back: allocations, appends and preemptions undone, random generators restored, so the
@@ -15,27 +14,12 @@ next `step()` does the same work again and the outputs equal an uninterrupted ru
 commit (appending tokens, finishing requests) waits until the commit is done. A request whose sampling
 fails finishes alone with finish_reason "error"; `abort_request` stops one request.
 
-Sharing pages (vllmini.scheduler says how): `SamplingParams(n=...)` returns n samples of one prompt in one
-`RequestOutput`, whose prompt pages they share until each copies the block it writes into (copy-on-write;
-a step's copies are one indexed copy per cache tensor, before its forward). `enable_prefix_caching`
-lets requests reuse the cached K/V of a prompt prefix computed before. `sharing_summary(engine.stats)`
-sums up what sharing saved over a run.
-
-`enable_chunked_prefill` caps every step at max_num_batched_tokens: running decodes go first, prompts
-take the rest in chunks, so a long prompt no longer stalls them (a chunk that stops before the prompt's
-end samples nothing; a failed step undoes its chunks too).
-
-On a GPU (vllmini.cuda_graphs): the step's inputs are built and checked on the host and copied over from
-pinned memory, so the forward makes no host sync; decode-only steps of up to max_cuda_graph_batch_size
-sequences replay a CUDA graph captured when the engine is built (use_cuda_graphs, on by default on CUDA),
-padded to the next captured size; prefill and mixed steps, and larger batches, run eagerly. A step syncs
-twice: to read the kernels' guard record, and to bring the sampled tokens to the host.
-
-Sampling the batch: greedy rows share one argmax; sampled rows go through temperature, top-k and top-p
-together as tensor ops; only the multinomial draw is one call per request, from its own generator.
-SamplingParams also takes stop strings (`stop`, with a tokenizer), per-token `logprobs` and an
-`output_kind` for streaming: "cumulative" or "delta" requests come back from every step that gave them
-tokens, with RequestOutput.finished False until the last.
+Sharing pages: the n samples of `SamplingParams(n=...)` share their prompt's pages until each copies the
+block it writes into (copy-on-write: one indexed copy per cache tensor, before the step's forward);
+`enable_prefix_caching` reuses the cached K/V of a prompt prefix computed before; `sharing_summary(stats)`
+sums up what sharing saved. `enable_chunked_prefill` caps every step at max_num_batched_tokens
+(vllmini.chunked_prefill). On a GPU, decode-only steps replay CUDA graphs (vllmini.cuda_graphs), and a
+step syncs twice: to read the kernels' guard record, and to bring the sampled tokens to the host.
 """
 
 from __future__ import annotations
@@ -185,12 +169,10 @@ class LLMEngine:
     # one step
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward over the whole batch, sample; returns requests that finished
-        (and those aborted since the last step), and of streaming requests (SamplingParams.output_kind
-        "cumulative" or "delta") their output so far, with finished=False. Requests with the default
-        output_kind "final_only" come back once, finished, as before streaming existed; code that
-        mixes in streaming requests should check `RequestOutput.finished`. All-or-nothing: see the
-        module docstring."""
+        """Schedule, run one forward over the whole batch, sample; returns requests that finished (and
+        those aborted since the last step), and of streaming requests (SamplingParams.output_kind
+        "cumulative" or "delta") their output so far, with finished=False: check `RequestOutput.finished`
+        when mixing them in. All-or-nothing: see the module docstring."""
         t0 = time.perf_counter()
         sched = self.scheduler
         with DeferSigint() as sigint:
@@ -200,7 +182,8 @@ class LLMEngine:
                 usage = sched.usage(out)  # the KV memory during this step's forward
                 if out.is_empty and sched.has_unfinished():
                     raise self._no_progress_error()
-                copies = self._copy_on_write()
+                copies = sched.block_manager.take_pending_copies()  # copy-on-write (src, dst) blocks
+                self.runner.copy_blocks(copies)
                 sampled = self._forward_and_sample(out, saved) if not out.is_empty else ([], [])
                 sigint.hold()
             except BaseException:
@@ -210,7 +193,7 @@ class LLMEngine:
                     seq.generator.set_state(state)
                 raise
             if not out.is_empty:
-                self._commit(out, sampled, usage, sched.num_preemptions - before, copies, t0)
+                self._commit(out, sampled, usage, sched.num_preemptions - before, len(copies), t0)
         if sigint.interrupted:  # Ctrl-C during the commit: the results wait for the next step()
             raise KeyboardInterrupt
         ready, self._ready = self._ready, []
@@ -225,12 +208,6 @@ class LLMEngine:
             f"no progress: {self.scheduler.stall_message()}; abort_request({head}) removes it"
         )
 
-    def _copy_on_write(self) -> int:
-        """Make this step's copy-on-write copies (all blocks in one indexed copy per cache tensor)."""
-        pairs = self.scheduler.block_manager.take_pending_copies()
-        self.runner.copy_blocks(pairs)
-        return len(pairs)
-
     @torch.inference_mode()
     def _forward_and_sample(self, out, saved: list) -> tuple[list, list]:
         """The batch's forward, then one token per sequence that completes its tokens (or the exception
@@ -242,14 +219,13 @@ class LLMEngine:
             return [], []
         seqs, rows = [s for s, _ in samplers], [i for _, i in samplers]
         params = [s.sampling_params for s in seqs]
-        saved += [(s, s.generator.get_state()) for s, p in zip(seqs, params, strict=True) if not p.is_greedy]
+        saved += [(s, s.generator.get_state()) for s in seqs if not s.sampling_params.is_greedy]
         tokens = sample_batch(logits, rows, params, [s.generator for s in seqs])
         logprobs: list = [None] * len(seqs)
         want = [j for j, p in enumerate(params) if p.logprobs is not None and isinstance(tokens[j], int)]
         if want:
-            entries = token_logprobs(
-                logits, [rows[j] for j in want], [tokens[j] for j in want], [params[j].logprobs for j in want]
-            )
+            ks = [params[j].logprobs for j in want]
+            entries = token_logprobs(logits, [rows[j] for j in want], [tokens[j] for j in want], ks)
             for j, entry in zip(want, entries, strict=True):
                 logprobs[j] = entry
         return tokens, logprobs
@@ -260,29 +236,24 @@ class LLMEngine:
         tokens, logprobs = sampled
         for seq in out.partial_prefills:  # a chunk of its prompt: computed, nothing to sample yet
             sched.mark_computed(seq, out.prefill_end(seq))
-        streamed = {}
+        streamed = {}  # request_id -> a sample of each streaming request that got a token
         for (seq, _), token, lp in zip(out.samplers, tokens, logprobs, strict=True):
             sched.mark_computed(seq)  # its K/V are in the cache now (and findable, with prefix caching)
-            error = None
+            if seq.sampling_params.output_kind != "final_only":
+                streamed.setdefault(seq.request_id, seq)
             if isinstance(token, Exception):
-                reason, error = "error", f"sampling failed: {type(token).__name__}: {token}"
+                reason, seq.error = "error", f"sampling failed: {type(token).__name__}: {token}"
             else:
                 seq.output_token_ids.append(token)
                 if lp is not None:
                     seq.output_logprobs.append(lp)
                 reason = self.outputs.finish_reason(seq, token)
-                if reason is None:
-                    if seq.sampling_params.output_kind != "final_only":
-                        streamed[seq.request_id] = seq
-                    continue
-            seq.error = error
+            if reason is None:
+                continue
             sched.finish(seq, reason)
+            finished += 1
             if all(s.status is SequenceStatus.FINISHED for s in seq.group):
                 self._ready.append(self.outputs.output(seq))
-                streamed.pop(seq.request_id, None)
-            elif seq.sampling_params.output_kind != "final_only":
-                streamed[seq.request_id] = seq
-            finished += 1
         for seq in streamed.values():  # streaming requests still running: what they have so far
             if any(s.status is not SequenceStatus.FINISHED for s in seq.group):
                 self._ready.append(self.outputs.output(seq))
@@ -314,10 +285,8 @@ class LLMEngine:
         """`prompts` as a list of prompts: one str, one list of ids or one 1-D tensor/array is one prompt."""
         if isinstance(prompts, (str, bytes, bytearray)):
             return [prompts]
-        if isinstance(prompts, (torch.Tensor, np.ndarray)):
-            if prompts.ndim == 2:  # one prompt per row
-                return list(prompts)
-            return [prompts]  # 1-D: one prompt; anything else fails in InputProcessor.encode with its shape
+        if isinstance(prompts, (torch.Tensor, np.ndarray)):  # 2-D: a prompt per row; others are one prompt
+            return list(prompts) if prompts.ndim == 2 else [prompts]  # (not 1-D: encode says its shape)
         if not isinstance(prompts, (list, tuple)):
             raise InvalidTypeError(
                 f"prompts must be a str, a list of token ids, or a list of such prompts; got "
@@ -345,7 +314,6 @@ class LLMEngine:
                 "(or abort_request() them)"
             )
         prompts = self._prompt_list(prompts)
-        params = SamplingParams() if params is None else params
         if isinstance(params, (list, tuple)):
             if len(params) != len(prompts):
                 raise InvalidArgumentError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
@@ -353,10 +321,7 @@ class LLMEngine:
             params = [params] * len(prompts)
         # generate returns finished requests only: streaming options do not apply
         params = [
-            replace(p, output_kind="final_only")
-            if isinstance(p, SamplingParams) and p.output_kind != "final_only"
-            else p
-            for p in params
+            replace(p, output_kind="final_only") if isinstance(p, SamplingParams) else p for p in params
         ]
         pairs = enumerate(zip(prompts, params, strict=True))
         requests = [self._new_request(x, p, self._next_id + i) for i, (x, p) in pairs]

@@ -21,9 +21,7 @@ class DeferSigint:
     def _handler(self, signum, frame):
         if self.holding:
             self.interrupted = True
-        elif self._previous is signal.SIG_IGN:
-            return
-        else:
+        elif self._previous is not signal.SIG_IGN:
             self.holding = True  # a second Ctrl-C must not interrupt the rollback of the first
             if callable(self._previous):
                 self._previous(signum, frame)  # Python's default handler raises KeyboardInterrupt

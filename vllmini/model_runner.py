@@ -21,18 +21,11 @@ def prepare_inputs(
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """input_ids (num_tokens,), positions (num_tokens,) and the AttentionMetadata of a batch: prefills
     first (tokens [num_computed_tokens, end), which may start mid-sequence), then one token per decode."""
-    ids, pos, query_lens, seq_lens = [], [], [], []
-    for seq in out.prefills:
-        start, end = seq.num_computed_tokens, out.prefill_end(seq)
+    spans, ids, pos = out.spans, [], []
+    for seq, (start, end) in zip(out.seqs, spans, strict=True):
         ids += seq.token_ids[start:end]
         pos += range(start, end)
-        query_lens.append(end - start)
-        seq_lens.append(end)
-    for seq in out.decodes:
-        ids.append(seq.token_ids[-1])
-        pos.append(seq.num_tokens - 1)
-        query_lens.append(1)
-        seq_lens.append(seq.num_tokens)
+    query_lens, seq_lens = [end - start for start, end in spans], [end for _, end in spans]
     block_tables, _ = block_manager.build_block_tables([s.seq_id for s in out.seqs])
     # static reservations hold more blocks than the tokens fill: read only the blocks in use
     block_tables = block_tables[:, : cdiv(max(seq_lens, default=1), block_manager.block_size)]

@@ -1,6 +1,5 @@
 """What the engine returns: a request's output (RequestOutput, with its n CompletionOutputs and their
-Logprobs), and what each step did (StepStats), summed up over a run by
-sharing_summary."""
+Logprobs), and what each step did (StepStats), summed up over a run by sharing_summary."""
 
 from __future__ import annotations
 

@@ -44,9 +44,7 @@ class PrefixCache:
     def __init__(self, block_size: int):
         self.block_size = block_size
         self._block_of: dict[bytes, int] = {}  # hash -> physical block
-        self._entry: dict[
-            int, tuple[bytes, bytes | None, tuple[int, ...]]
-        ] = {}  # block -> (hash, parent, ids)
+        self._entry: dict[int, tuple] = {}  # block -> (hash, parent's hash or None, tuple of token ids)
         self.evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced cached blocks, oldest first
         self.evicted: list[int] = []  # blocks evicted since the last snapshot (their pages may be rewritten)
 

@@ -32,10 +32,9 @@ class InputProcessor:
                 f"SamplingParams(stop={params.stop!r}) needs a tokenizer to see the text (tokenizer.json "
                 f"in the checkpoint); without one, stop on token ids: stop_token_ids=[...]"
             )
-        vocab = self.vocab_size
-        if params.logprobs is not None and params.logprobs > vocab:
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
             raise InvalidArgumentError(
-                f"logprobs must be <= the vocabulary size {vocab}, got {params.logprobs}"
+                f"logprobs must be <= the vocabulary size {self.vocab_size}, got {params.logprobs}"
             )
         return params
 
@@ -55,10 +54,9 @@ class InputProcessor:
             ids = as_token_ids(prompt, "prompt")
         if not ids:
             raise InvalidArgumentError("the prompt is empty: it needs at least one token")
-        vocab = self.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise InvalidArgumentError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+            raise InvalidArgumentError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
         return ids
 
 
@@ -123,13 +121,7 @@ class OutputProcessor:
             text = None if text is None else text[num_chars:]
             logprobs = None if logprobs is None else logprobs[num_tokens:]
         return CompletionOutput(
-            seq.index,
-            list(ids),
-            text,
-            seq.finish_reason,
-            seq.error,
-            logprobs,
-            seq.stop_reason,
+            seq.index, list(ids), text, seq.finish_reason, seq.error, logprobs, seq.stop_reason
         )
 
     def output(self, seq: Sequence) -> RequestOutput:

@@ -18,37 +18,30 @@ OUTPUT_KINDS = ("final_only", "cumulative", "delta")  # what step() returns of a
 
 @dataclass
 class SamplingParams:
-    """How to pick each next token. temperature 0 = greedy; top_k None = off; top_p 1.0 = off.
+    """How to pick each next token, and when a request stops (vLLM's names)."""
 
-    A temperature below 1e-5 also means greedy (dividing the logits by it would overflow).
-    seed None: the engine derives one from its own seed and the request number, so runs repeat.
-    n: samples of the prompt (parallel sampling), returned together. Sample 0 draws from a generator
-    seeded with the request's seed, sample i > 0 from one seeded with `sample_seed(seed, i)` =
-    random.Random(f"{seed}:{i}").getrandbits(63), so sample 0 equals the n=1 result and the others are
-    unrelated streams. At temperature 0 all n samples are identical.
-    The request stops at max_tokens ("length"), or at an id of stop_token_ids or the model's EOS
-    ("stop"; the stop token is kept in output_token_ids). ignore_eos=True generates past EOS.
-    stop: strings that end the request when its text contains one ("stop"; needs a tokenizer): the text
-    is cut before the stop string, the token ids that made it are kept (as vLLM).
-    logprobs=k: for every generated token its log-probability and those of the k most likely tokens
-    (k=0: only its own), float32 log_softmax of the model's logits the token was drawn from (before
-    temperature, top-k and top-p, as vLLM's default "raw" logprobs).
-    output_kind: what `LLMEngine.step()` returns of this request: "final_only" (default) the finished
-    request once; "cumulative" also, after every step that added tokens, everything so far
-    (RequestOutput.finished False); "delta" only what is new since the last output. `generate` always
-    returns final outputs.
-    """
-
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_k: int | None = None
-    top_p: float = 1.0
-    seed: int | None = None
+    max_tokens: int = 16  # the most tokens it generates (finish_reason "length")
+    temperature: float = 0.0  # 0 = greedy (as is any below GREEDY_BELOW)
+    top_k: int | None = None  # None = off
+    top_p: float = 1.0  # 1.0 = off
+    seed: int | None = None  # None: derived from the engine's seed and the request number, so runs repeat
+    # ids that stop it ("stop"), as the model's EOS does; the stop token is kept in output_token_ids
     stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
+    ignore_eos: bool = False  # True: generate past EOS
+    # samples of the prompt (parallel sampling), returned together. Sample 0 draws from a generator seeded
+    # with the request's seed (so it equals the n=1 result), sample i > 0 from one seeded with
+    # `sample_seed(seed, i)`, an unrelated stream. At temperature 0 all n samples are identical
     n: int = 1
+    # strings that stop it when its text contains one ("stop"; needs a tokenizer): the text is cut before
+    # the stop string, the token ids that made it are kept (as vLLM)
     stop: list[str] = field(default_factory=list)
+    # k: for every generated token its log-probability and those of the k most likely tokens (k=0: only
+    # its own), float32 log_softmax of the model's logits the token was drawn from (before temperature,
+    # top-k and top-p, as vLLM's default "raw" logprobs)
     logprobs: int | None = None
+    # what `LLMEngine.step()` returns of this request: "final_only" the finished request once;
+    # "cumulative" also, after every step that added tokens, everything so far (RequestOutput.finished
+    # False); "delta" only what is new since the last output. `generate` always returns final outputs
     output_kind: str = "final_only"
 
     def __post_init__(self):

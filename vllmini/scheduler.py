@@ -9,15 +9,12 @@ lost or duplicated.
 
 Sharing pages. A request with n samples (parallel sampling) is a group of n sequences, admitted together
 only if the whole group fits (each counts against max_num_seqs) and preempted together. A fresh group
-prefills its prompt once: the first sample computes it, the others fork its page table (reference counts),
-sample from the same logits and copy the shared, partly filled last block before writing into it
-(copy-on-write, `BlockManager.take_pending_copies`). Readmitted after preemption, the first sample
-recomputes its tokens and the others share its whole blocks as far as their tokens agree, computing only
-the rest. With prefix caching, an admitted sequence starts on the longest cached prefix of its tokens.
-Either way a prefill computes tokens [num_computed_tokens, num_tokens): it may start at k > 0.
-
-Chunked prefill (enable_chunked_prefill): a step never holds more than max_num_batched_tokens tokens.
-Running decodes go first, then prompts take chunks of what is left (vllmini/chunked_prefill.py says how).
+prefills its prompt once: the others fork the first sample's page table, sample from its logits and copy
+the shared, partly filled last block before writing into it (copy-on-write). Readmitted after preemption,
+they share the first one's whole blocks as far as their tokens agree. With prefix caching, an admitted
+sequence starts on the longest cached prefix of its tokens. Either way a prefill computes tokens
+[num_computed_tokens, num_tokens): it may start at k > 0. With enable_chunked_prefill, prompts take chunks
+of what the decodes leave of max_num_batched_tokens (vllmini/chunked_prefill.py).
 
 A step can be undone: `snapshot()` before `schedule()` and `restore()` after a failed forward put back
 every allocation, append and preemption, so the next `schedule()` makes the same batch again. A sequence
@@ -116,7 +113,6 @@ class Scheduler:
                 f"a request with n={n} samples needs {n} sequences, but max_num_seqs={self.max_num_seqs}"
             )
         bm = self.block_manager
-        usable = bm.num_blocks - bm.watermark_blocks
         if self.policy == "paged":
             # the last sampled token is never written to the cache: each holds at most max_len - 1 tokens;
             # the prompt's full blocks are shared, every sample owns the rest
@@ -124,12 +120,11 @@ class Scheduler:
             need = shared + n * (cdiv(seq.max_len - 1, bs) - shared)
         else:
             need = n * cdiv(self._reserve(seq), bs)
-        if need > usable:
+        if need > bm.num_blocks - bm.watermark_blocks:
             what = "request" if n == 1 else f"request with n={n} samples"
             raise InvalidArgumentError(
-                f"{what} needs {need} blocks of {bs} tokens, but the pool has "
-                f"{bm.num_blocks} blocks ({bm.watermark_blocks} held back as watermark): "
-                f"it could never fit"
+                f"{what} needs {need} blocks of {bs} tokens, but the pool has {bm.num_blocks} blocks "
+                f"({bm.watermark_blocks} held back as watermark): it could never fit"
             )
 
     def add(self, seqs: Sequence | list[Sequence]) -> None:
@@ -156,8 +151,6 @@ class Scheduler:
         """A running sequence is done: free its blocks."""
         if seq.status is not SequenceStatus.RUNNING or self._live.get(seq.seq_id) is not seq:
             raise EngineStateError(f"only running sequences can finish, got {seq}")
-        self.running.remove(seq)
-        self.block_manager.free(seq.seq_id)
         self._retire(seq, reason)
 
     def abort(self, request_id) -> Sequence | None:
@@ -166,15 +159,16 @@ class Scheduler:
         group = self._requests.get(request_id, [])
         live = [s for s in group if self._live.get(s.seq_id) is s]
         for seq in live:
-            if seq.status is SequenceStatus.RUNNING:
-                self.running.remove(seq)
-                self.block_manager.free(seq.seq_id)
-            else:
-                self.waiting.remove(seq)
             self._retire(seq, "abort")
         return group[0] if live else None
 
     def _retire(self, seq: Sequence, reason: str) -> None:
+        """Take a waiting or running `seq` out of the queues for good (freeing its blocks)."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.block_manager.free(seq.seq_id)
+        else:
+            self.waiting.remove(seq)
         del self._live[seq.seq_id]
         if all(s.seq_id not in self._live for s in seq.group):
             del self._requests[seq.request_id]
@@ -237,14 +231,11 @@ class Scheduler:
         out = SchedulerOutput()
         self._schedule_decodes(out)  # 1) running sequences decode, preempting if the pool runs out
         self._schedule_admissions(out)  # 2) waiting requests start (or take a chunk) while they fit
-        # 3) the slots of this step's new tokens: the uncomputed tokens of prefills, the last of decodes
-        bm = self.block_manager
-        for seq in out.prefills:
-            end = out.prefill_end(seq)
-            out.slot_mapping += bm.slot_mapping(seq.seq_id, seq.num_computed_tokens, end)
-            out.num_prefill_tokens += end - seq.num_computed_tokens
-        for seq in out.decodes:
-            out.slot_mapping += bm.slot_mapping(seq.seq_id, seq.num_tokens - 1, seq.num_tokens)
+        # 3) the slots of this step's new tokens
+        spans = out.spans
+        for seq, (start, end) in zip(out.seqs, spans, strict=True):
+            out.slot_mapping += self.block_manager.slot_mapping(seq.seq_id, start, end)
+        out.num_prefill_tokens = sum(end - start for start, end in spans[: len(out.prefills)])
         return out
 
     def _schedule_decodes(self, out: SchedulerOutput) -> None:
@@ -253,51 +244,43 @@ class Scheduler:
         decode finds no free block, the most recently admitted group is preempted."""
         bm = self.block_manager
         order = {id(s): i for i, s in enumerate(self.running)}  # admission order
-        running, queue, kept = self.running, list(self.running), []
+        queue = list(self.running)
         while queue:
             seq = queue.pop(0)
             if seq.seq_id in self._stale:  # its cached KV may be overwritten: recompute it (and its group)
-                self._preempt_group(seq, queue, kept, out)
+                self._preempt_group(seq, queue, out)
                 continue
             if self.enable_chunked_prefill and seq.is_prefilling:  # blocks allocated at admission
                 continue
             if self.policy == "paged":
-                while bm.block_table(seq.seq_id).num_new_blocks(1) > bm.num_free_blocks:
+                while seq.status is SequenceStatus.RUNNING and not bm.can_append(seq.seq_id):
                     victim = queue[-1] if queue else seq  # the most recently admitted one
-                    self._preempt_group(victim, queue, kept, out)
-                    if seq.status is SequenceStatus.WAITING:
-                        break
+                    self._preempt_group(victim, queue, out)
                 if seq.status is SequenceStatus.WAITING:
                     continue
                 bm.append(seq.seq_id, 1)
-            kept.append(seq)
             out.decodes.append(seq)
-        self.running = [s for s in running if s.status is SequenceStatus.RUNNING]  # kept + prefilling
+        self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]  # decodes + prefilling
         # preempted ones go back to the head of the queue, in admission order (groups stay together)
         for seq in sorted(out.preempted, key=lambda s: order[id(s)], reverse=True):
             self.waiting.appendleft(seq)
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        self.block_manager.free(seq.seq_id)
-        self._stale.discard(seq.seq_id)
-        seq.status = SequenceStatus.WAITING
-        seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
-        out.preempted.append(seq)
-
-    def _preempt_group(self, victim: Sequence, queue: list, kept: list, out: SchedulerOutput) -> None:
+    def _preempt_group(self, victim: Sequence, queue: list, out: SchedulerOutput) -> None:
         """Preempt `victim` and its running siblings (a group is recomputed together), wherever they are
-        in this step's decode pass: still queued, or already given a slot."""
+        in this step's decode pass: still queued, or already given a slot (in out.decodes)."""
         for seq in victim.group:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # finished, or not admitted
-            if any(s is seq for s in queue):
+            if seq in queue:
                 queue.remove(seq)
-            if any(s is seq for s in kept):
-                kept.remove(seq)
+            if seq in out.decodes:
                 out.decodes.remove(seq)
-            self._preempt(seq, out)
+            self.block_manager.free(seq.seq_id)
+            self._stale.discard(seq.seq_id)
+            seq.status, seq.num_computed_tokens = SequenceStatus.WAITING, 0
+            seq.num_preemptions += 1
+            self.num_preemptions += 1
+            out.preempted.append(seq)
 
     def _schedule_admissions(self, out: SchedulerOutput) -> None:
         """Admit waiting requests (FCFS) while they fit; not after a preemption (it would thrash). With
@@ -319,14 +302,13 @@ class Scheduler:
                 break
             if bm.num_free_blocks - need < bm.watermark_blocks:
                 break
-            if not chunked:
-                self._admit(group, hits, shares, out)
-                budget -= tokens
-                continue
             num_prefills, num_forked = len(out.prefills), len(out.forked)
             self._admit(group, hits, shares, out)
-            del out.prefills[num_prefills:], out.forked[num_forked:]  # the chunks decide what runs
-            budget = chunked_prefill.schedule_chunks(group, budget, out)
+            if chunked:
+                del out.prefills[num_prefills:], out.forked[num_forked:]  # the chunks decide what runs
+                budget = chunked_prefill.schedule_chunks(group, budget, out)
+            else:
+                budget -= tokens
 
     def _plan_admission(self, group: list[Sequence]) -> tuple[list, list, int, int]:
         """How the waiting `group` would start: prefix-cache hits of its first sample, and for each other

@@ -133,6 +133,13 @@ class SchedulerOutput:
         return [s for s in self.prefills if self.prefill_end(s) < s.num_tokens]
 
     @property
+    def spans(self) -> list[tuple[int, int]]:
+        """The tokens [start, end) each of `seqs` computes: a prefill's uncomputed ones (to the end of its
+        chunk), a decode's last one."""
+        prefills = [(s.num_computed_tokens, self.prefill_end(s)) for s in self.prefills]
+        return prefills + [(s.num_tokens - 1, s.num_tokens) for s in self.decodes]
+
+    @property
     def seqs(self) -> list[Sequence]:
         """The sequences in the forward, one logits row each."""
         return self.prefills + self.decodes
