@@ -154,3 +154,27 @@ def test_code_size_table_names_only_code_that_exists(monkeypatch):
     monkeypatch.setitem(code_size.LATER, "8 fast kernel", ("vllmini/attention.py:no_such_function",))
     with pytest.raises(SystemExit, match="no_such_function"):
         code_size.check_later(files)
+
+
+def test_code_size_blame_labels_every_line(tmp_path):
+    """--blame owns each line by the commit that wrote it: COMMITS names only real commits and known
+    issues, and every line of a file gets one owner."""
+    import importlib.util
+    import subprocess
+
+    spec = importlib.util.spec_from_file_location("code_size", ROOT / "scripts" / "code_size.py")
+    code_size = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(code_size)
+    assert set(code_size.COMMITS.values()) <= {"12", "mixed", *code_size.LATER}
+    known = subprocess.run(["git", "cat-file", "-e", f"{code_size.FIRST_LANDING}^{{commit}}"], cwd=ROOT)
+    if known.returncode != 0:
+        pytest.skip("this clone lacks the history back to the first landing")
+    for sha in code_size.COMMITS:
+        assert code_size._git("rev-parse", "--verify", f"{sha}^{{commit}}").strip().startswith(sha)
+    first = set(code_size._git("rev-list", code_size.FIRST_LANDING).split())
+    text = (ROOT / "vllmini" / "errors.py").read_text()
+    ignore = tmp_path / "none.revs"
+    ignore.write_text("")
+    owners = code_size.blamed_owners("vllmini/errors.py", text, "HEAD", first, str(ignore))
+    assert len(owners) == len(text.splitlines())
+    assert {"first landing", "12"} <= set(owners) <= {"first landing", "12", "mixed", *code_size.LATER}
