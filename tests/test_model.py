@@ -212,6 +212,26 @@ def test_load_untied_single_file_with_old_style_config(tmp_path):
     torch.testing.assert_close(got.double(), hf_logits(ref, ids), rtol=1e-4, atol=1e-4)
 
 
+def test_weights_without_the_model_prefix_load_the_same(tmp_path, checkpoint):
+    """load_hf_state_dict takes names with or without the `model.` prefix; from_pretrained does too."""
+    from safetensors.torch import save_file
+
+    hf = transformers.LlamaForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    state = {
+        k.removeprefix("model."): v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight"
+    }
+    assert "embed_tokens.weight" in state and not any(k.startswith("model.") for k in state)
+    save_file(state, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text((checkpoint / "config.json").read_text())
+    bare, full = (
+        LlamaModel.from_pretrained(tmp_path),
+        LlamaModel.from_pretrained(checkpoint, dtype=torch.float32),
+    )
+    assert bare.dtype == torch.float32  # the stored dtype, read from the unprefixed embedding
+    for (n1, p1), (n2, p2) in zip(bare.named_parameters(), full.named_parameters(), strict=True):
+        assert n1 == n2 and torch.equal(p1, p2)
+
+
 def test_load_errors(tmp_path, checkpoint):
     with pytest.raises(CheckpointNotFoundError, match="no checkpoint directory"):
         LlamaModel.from_pretrained(tmp_path / "nowhere")

@@ -355,9 +355,10 @@ class LlamaModel(nn.Module):
             raise InvalidTypeError(f"dtype must be one of {DTYPES}, got {dtype!r}")
         ckpt = read_checkpoint(path_or_hf_model, LlamaConfig.from_dict)
         state, where = ckpt.state, ckpt.where
-        if "model.embed_tokens.weight" not in state:
+        embed = state.get("model.embed_tokens.weight", state.get("embed_tokens.weight"))  # prefix optional
+        if embed is None:
             raise CheckpointError(f"{where} has no model.embed_tokens.weight: not a Llama checkpoint")
-        dtype = dtype if dtype is not None else state["model.embed_tokens.weight"].dtype
+        dtype = dtype if dtype is not None else embed.dtype
         if dtype not in DTYPES:
             raise CheckpointError(f"{where} stores {dtype} weights; pass dtype= one of {DTYPES} to convert")
         with torch.device("meta"):  # no memory, no random init: the weights come next
