@@ -345,6 +345,36 @@ def test_cached_free_blocks_are_drawn_apart_from_free_ones():
     assert gids["physical:4"].get_hatch() and not gids["physical:6"].get_hatch()
 
 
+def test_copy_arcs_start_and_end_past_the_labels_they_pass():
+    """A copy-on-write arc runs from just past its source's label to just past its copy's, and clear of
+    every label between them: measured on the drawn text, not on the layout's own width guess."""
+    m = BlockManager(40, 4)
+    m.allocate("a", 10)  # blocks 0-2
+    m.allocate("c", 30)  # blocks 3-10, between a's last block and its copy
+    m.fork("c", "d")  # ... each labelled "N shared ×2", longer than a's "2"
+    m.fork("a", "b")
+    m.append("b", 1)  # b writes into the shared, partly filled block 2: copy 2 -> 11
+    layout = page_table_layout(m)
+    (arc,) = [a for a in layout.arrows if a.kind == "copy"]
+    src, dst = layout.box(f"physical:{arc.src}"), layout.box(f"physical:{arc.dst}")
+    assert src.x == dst.x and dst.y - src.y > 2  # one column, rows apart
+    fig = draw_page_table(m)
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    renderer, to_data = fig.canvas.get_renderer(), ax.transData.inverted()
+    label_x = src.x + src.width + 0.25
+
+    def right_edge(row: float) -> float:
+        (text,) = [t for t in ax.texts if t.get_position() == pytest.approx((label_x, row + 0.4))]
+        return to_data.transform(text.get_window_extent(renderer).corners()[-1])[0]
+
+    passed = max(right_edge(row) for row in range(int(src.y), int(dst.y)))
+    assert 0 < arc.start[0] - passed < 1.0  # just past the longest label it passes (once: 1.7 away)
+    assert 0 < arc.end[0] - right_edge(dst.y) < 1.0  # and ends just past its copy's
+    assert arc.start[0] - right_edge(src.y) > 1.0  # it had to step past the longer labels in between
+    plt.close(fig)
+
+
 def test_copy_pairs_are_drawn_pending_or_given():
     m = shared_and_cached_manager()
     layout = page_table_layout(m)

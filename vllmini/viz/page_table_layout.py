@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from vllmini.allocator import BlockAllocator
 from vllmini.checks import as_int, cdiv
 from vllmini.errors import InvalidArgumentError
-from vllmini.viz.page_table_places import LABEL_ROOM, Places, place
+from vllmini.viz.page_table_places import LABEL_CHAR, LABEL_ROOM, Places, place
 from vllmini.viz.snapshot import Snapshot, snapshot
 from vllmini.viz.style import (
     CACHED_EDGE,
@@ -192,8 +192,9 @@ def _pool_boxes(snap, places, styles, show_numbers, highlight, out: PageTableLay
         out.labels.append(Label(x, y + MID, text, GREY))
 
 
-def _arrows(snap: Snapshot, places: Places, colors: dict, out: PageTableLayout) -> None:
-    """Logical -> physical block; copy-on-write pairs from the source block to its copy (right side)."""
+def _arrows(snap: Snapshot, places: Places, colors: dict, labels: dict, out: PageTableLayout) -> None:
+    """Logical -> physical block; copy-on-write pairs from the end of the source block's label to the end
+    of its copy's (`labels`: block -> its label text)."""
     x0 = snap.block_size * places.cell + 0.1
     for k, i, row in places.logical:
         s, b = snap.seqs[k][0], snap.seqs[k][1][i]
@@ -202,11 +203,20 @@ def _arrows(snap: Snapshot, places: Places, colors: dict, out: PageTableLayout) 
             out.arrows.append(
                 Arrow(f"arrow:{s}:{i}->{b}", (x0, row + MID), (x - 0.1, y + MID), colors[s], "map", s, b)
             )
-    right = places.col_step - 1.4  # the copy arcs run right of the labels (_place left room for them)
+    width = snap.block_size * places.cell
+
+    def label_end(b: int) -> float:  # `place` leaves room by the same guess of a label's width
+        return places.pool[b][0] + width + 0.55 + LABEL_CHAR * len(labels[b])
+
     for src, dst in snap.copies:
         if src in places.pool and dst in places.pool:
-            (xs, ys), (xd, yd) = places.pool[src], places.pool[dst]
-            start, end = (xs + right, ys + MID), (xd + right, yd + MID)
+            # from just past the source's label to just past its copy's, bulging right; clear of the
+            # labels of the rows in between
+            (xs, ys), yd = places.pool[src], places.pool[dst][1]
+            top, bottom = min(ys, yd), max(ys, yd)
+            between = [b for b, (x, y) in places.pool.items() if x == xs and top < y < bottom]
+            clear = max(map(label_end, between), default=0.0)
+            start, end = (max(label_end(src), clear), ys + MID), (max(label_end(dst), clear), yd + MID)
             out.arrows.append(Arrow(f"copy:{src}->{dst}", start, end, "black", "copy", src, dst))
 
 
@@ -297,7 +307,7 @@ def page_table_layout(
     highlight = {as_int(b, "highlight block") for b in highlight}
     _logical_boxes(snap, places, colors, show_numbers, out)
     _pool_boxes(snap, places, styles, show_numbers, highlight, out)
-    _arrows(snap, places, colors, out)
+    _arrows(snap, places, colors, {b: label for b, (_, label) in styles.items()}, out)
     bottom = _footer(snap, places, out)
     out.legend = _legend(snap, {styles[b][0].kind for b in places.pool}, highlight & set(places.pool))
     width = 0.42 * (places.x_max - places.x_min)

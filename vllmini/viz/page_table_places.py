@@ -11,6 +11,7 @@ from vllmini.checks import cdiv
 from vllmini.viz.snapshot import Snapshot
 
 LABEL_ROOM = 4.4  # at least this much room right of a pool block for its label
+LABEL_CHAR = 0.17  # about the width of one character of a pool label, in data units
 
 
 @dataclass
@@ -89,7 +90,7 @@ def place(snap: Snapshot, label_lengths: dict, limits: tuple[int, int, int, int]
     places.num_rows = max(logical_rows, pool_rows)
     block_w = snap.block_size * places.cell
     longest = max((label_lengths[b] for b in items if not isinstance(b, tuple)), default=0)
-    label_room = max(LABEL_ROOM, 0.6 + 0.17 * longest) + (1.0 if snap.copies else 0.0)
+    label_room = max(LABEL_ROOM, 0.6 + LABEL_CHAR * longest) + (1.0 if snap.copies else 0.0)
     places.pool_x = block_w + max(5.0, 1.2 * block_w)  # the gap between the two sides holds the arrows
     places.col_step = block_w + label_room
     places.x_max = places.pool_x + places.pool_cols * places.col_step + (1.0 if snap.copies else 0.0)
