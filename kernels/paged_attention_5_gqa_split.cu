@@ -214,15 +214,21 @@ __device__ __forceinline__ int load_page(const int* __restrict__ table, int idx,
 
 extern __shared__ float smem[];
 
+// The launch's arguments (shapes in the header), as the extern "C" entry points at the end receive them;
+// attend, dispatch and entry take them (VLLMINI_V5_PARAMS, T = the element's storage type) and pass them
+// on (VLLMINI_V5_ARGS) in this one order.
+#define VLLMINI_V5_PARAMS(T)                                                                                     \
+    T* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_ml, const T* __restrict__ query,  \
+        const T* __restrict__ key_cache, const T* __restrict__ value_cache, const int* __restrict__ block_tables, \
+        const int* __restrict__ seq_lens, int* error, const int num_blocks, const int block_size,               \
+        const int num_heads, const int head_size, const int num_kv_heads, const int max_num_blocks_per_seq,     \
+        const int heads_per_block, const int pages_per_split, const float scale
+#define VLLMINI_V5_ARGS                                                                                          \
+    out, part_out, part_ml, query, key_cache, value_cache, block_tables, seq_lens, error, num_blocks, block_size, \
+        num_heads, head_size, num_kv_heads, max_num_blocks_per_seq, heads_per_block, pages_per_split, scale
+
 template <typename Dtype, int DIMS, int TOKENS, int GROUP, int HBMAX>
-__device__ void attend(typename Dtype::storage* __restrict__ out, float* __restrict__ part_out,
-                       float* __restrict__ part_ml, const typename Dtype::storage* __restrict__ query,
-                       const typename Dtype::storage* __restrict__ key_cache,
-                       const typename Dtype::storage* __restrict__ value_cache, const int* __restrict__ block_tables,
-                       const int* __restrict__ seq_lens, int* error, const int num_blocks, const int block_size,
-                       const int num_heads, const int head_size, const int num_kv_heads,
-                       const int max_num_blocks_per_seq, const int heads_per_block, const int pages_per_split,
-                       const float scale) {
+__device__ void attend(VLLMINI_V5_PARAMS(typename Dtype::storage)) {
     typedef typename Dtype::storage T;
     constexpr int W = DIMS / Dtype::PER_WORD;      // raw words per lane per row
     constexpr int ROWS = WARP_SIZE / GROUP;         // token rows a warp holds at once
@@ -454,14 +460,7 @@ __device__ void attend(typename Dtype::storage* __restrict__ out, float* __restr
 // raw words of K (and as many of V) per lane in flight; a block serving a GQA group (HBMAX > 1) keeps
 // fewer, for the registers its queries and accumulators take.
 template <typename Dtype, bool GQA>
-__device__ void dispatch(typename Dtype::storage* __restrict__ out, float* __restrict__ part_out,
-                         float* __restrict__ part_ml, const typename Dtype::storage* __restrict__ q,
-                         const typename Dtype::storage* __restrict__ k_cache,
-                         const typename Dtype::storage* __restrict__ v_cache, const int* __restrict__ block_tables,
-                         const int* __restrict__ seq_lens, int* error, const int num_blocks, const int block_size,
-                         const int num_heads, const int head_size, const int num_kv_heads,
-                         const int max_num_blocks_per_seq, const int heads_per_block, const int pages_per_split,
-                         const float scale) {
+__device__ void dispatch(VLLMINI_V5_PARAMS(typename Dtype::storage)) {
     if (head_size > MAX_HEAD_SIZE || head_size < 1) {  // refused by the host
         for (int e = threadIdx.x; e < heads_per_block * head_size; e += blockDim.x)
             out[((long long)blockIdx.x * num_heads + blockIdx.y * heads_per_block) * head_size + e] =
@@ -471,9 +470,7 @@ __device__ void dispatch(typename Dtype::storage* __restrict__ out, float* __res
 #define VLLMINI_IMPL(C, D, T, G, H)                                                                                \
     case C:                                                                                                       \
         if constexpr (VLLMINI_ONLY_CHUNKS == 0 || VLLMINI_ONLY_CHUNKS == C)                                       \
-            attend<Dtype, D, T, G, H>(out, part_out, part_ml, q, k_cache, v_cache, block_tables, seq_lens, error, \
-                                      num_blocks, block_size, num_heads, head_size, num_kv_heads,                 \
-                                      max_num_blocks_per_seq, heads_per_block, pages_per_split, scale);           \
+            attend<Dtype, D, T, G, H>(VLLMINI_V5_ARGS);                                                           \
         break;
     if constexpr (sizeof(typename Dtype::storage) == 4) {
         switch ((head_size + WARP_SIZE - 1) / WARP_SIZE) {  // C: 32-dim chunks of the head
@@ -505,57 +502,39 @@ __device__ void dispatch(typename Dtype::storage* __restrict__ out, float* __res
 // One per element type; 16-bit values travel as their raw bits (unsigned short). heads_per_block 1
 // takes the copy compiled for one head per block (fewer registers), larger values the GQA copy.
 template <typename Dtype>
-__device__ void entry(typename Dtype::storage* __restrict__ out, float* __restrict__ part_out,
-                      float* __restrict__ part_ml, const typename Dtype::storage* __restrict__ q,
-                      const typename Dtype::storage* __restrict__ k_cache,
-                      const typename Dtype::storage* __restrict__ v_cache, const int* __restrict__ block_tables,
-                      const int* __restrict__ seq_lens, int* error, const int num_blocks, const int block_size,
-                      const int num_heads, const int head_size, const int num_kv_heads,
-                      const int max_num_blocks_per_seq, const int heads_per_block, const int pages_per_split,
-                      const float scale) {
+__device__ void entry(VLLMINI_V5_PARAMS(typename Dtype::storage)) {
     if (heads_per_block == 1) {
-        if constexpr (VLLMINI_ONLY_GQA != 1)
-            dispatch<Dtype, false>(out, part_out, part_ml, q, k_cache, v_cache, block_tables, seq_lens, error,
-                                   num_blocks, block_size, num_heads, head_size, num_kv_heads,
-                                   max_num_blocks_per_seq, heads_per_block, pages_per_split, scale);
+        if constexpr (VLLMINI_ONLY_GQA != 1) dispatch<Dtype, false>(VLLMINI_V5_ARGS);
     } else if constexpr (VLLMINI_ONLY_GQA != 0) {
-        dispatch<Dtype, true>(out, part_out, part_ml, q, k_cache, v_cache, block_tables, seq_lens, error,
-                              num_blocks, block_size, num_heads, head_size, num_kv_heads, max_num_blocks_per_seq,
-                              heads_per_block, pages_per_split, scale);
+        dispatch<Dtype, true>(VLLMINI_V5_ARGS);
     }
 }
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_5_gqa_split(
-    float* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_ml, const float* __restrict__ q,
-    const float* __restrict__ k_cache, const float* __restrict__ v_cache, const int* __restrict__ block_tables,
+    float* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_ml, const float* __restrict__ query,
+    const float* __restrict__ key_cache, const float* __restrict__ value_cache, const int* __restrict__ block_tables,
     const int* __restrict__ seq_lens, int* error, const int num_blocks, const int block_size, const int num_heads,
     const int head_size, const int num_kv_heads, const int max_num_blocks_per_seq, const int heads_per_block,
     const int pages_per_split, const float scale) {
-    entry<Float32>(out, part_out, part_ml, q, k_cache, v_cache, block_tables, seq_lens, error, num_blocks,
-                   block_size, num_heads, head_size, num_kv_heads, max_num_blocks_per_seq, heads_per_block,
-                   pages_per_split, scale);
+    entry<Float32>(VLLMINI_V5_ARGS);
 }
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_5_gqa_split_f16(
-    unsigned short* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_ml, const unsigned short* __restrict__ q,
-    const unsigned short* __restrict__ k_cache, const unsigned short* __restrict__ v_cache, const int* __restrict__ block_tables,
+    unsigned short* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_ml, const unsigned short* __restrict__ query,
+    const unsigned short* __restrict__ key_cache, const unsigned short* __restrict__ value_cache, const int* __restrict__ block_tables,
     const int* __restrict__ seq_lens, int* error, const int num_blocks, const int block_size, const int num_heads,
     const int head_size, const int num_kv_heads, const int max_num_blocks_per_seq, const int heads_per_block,
     const int pages_per_split, const float scale) {
-    entry<Float16>(out, part_out, part_ml, q, k_cache, v_cache, block_tables, seq_lens, error, num_blocks,
-                   block_size, num_heads, head_size, num_kv_heads, max_num_blocks_per_seq, heads_per_block,
-                   pages_per_split, scale);
+    entry<Float16>(VLLMINI_V5_ARGS);
 }
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_5_gqa_split_bf16(
-    unsigned short* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_ml, const unsigned short* __restrict__ q,
-    const unsigned short* __restrict__ k_cache, const unsigned short* __restrict__ v_cache, const int* __restrict__ block_tables,
+    unsigned short* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_ml, const unsigned short* __restrict__ query,
+    const unsigned short* __restrict__ key_cache, const unsigned short* __restrict__ value_cache, const int* __restrict__ block_tables,
     const int* __restrict__ seq_lens, int* error, const int num_blocks, const int block_size, const int num_heads,
     const int head_size, const int num_kv_heads, const int max_num_blocks_per_seq, const int heads_per_block,
     const int pages_per_split, const float scale) {
-    entry<BFloat16>(out, part_out, part_ml, q, k_cache, v_cache, block_tables, seq_lens, error, num_blocks,
-                    block_size, num_heads, head_size, num_kv_heads, max_num_blocks_per_seq, heads_per_block,
-                    pages_per_split, scale);
+    entry<BFloat16>(VLLMINI_V5_ARGS);
 }
 
 // The merge of a split context (grid (num_seqs, num_heads), any block size): with M = max_s m_s and
