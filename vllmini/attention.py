@@ -283,9 +283,8 @@ class AttentionMetadata:
     host_checked: bool = False
     # slot_mapping may hold -1 rows that were not checked (a CUDA graph's padding): see reshape_and_cache
     has_padding: bool = False
-    last_token_indices: torch.Tensor = dataclasses.field(
-        init=False
-    )  # (num_seqs,) int64: each sequence's last token
+    # (num_seqs,) int64: each sequence's last token
+    last_token_indices: torch.Tensor = dataclasses.field(init=False)
 
     def __post_init__(self):
         self.last_token_indices = self.query_start_loc[1:].to(torch.int64) - 1

@@ -121,8 +121,8 @@ class BlockManager:
         blocks); it shares them (reference counts) and gets its own blocks for the rest."""
         if seq_id in self._tables:
             raise VllminiError(f"seq_id {seq_id!r} already exists")
-        needed = self.blocks_needed(num_tokens, shared)
-        if self.num_free_blocks - needed < self.watermark_blocks:
+        if not self.can_allocate(num_tokens, shared):  # the watermark rule has one home
+            needed = self.blocks_needed(num_tokens, shared)
             raise OutOfBlocksError(
                 f"seq {seq_id!r} with {num_tokens} tokens needs {needed} blocks; {self.num_free_blocks} "
                 f"are free and {self.watermark_blocks} must stay free (watermark)"

@@ -224,8 +224,8 @@ class LLMEngine:
         logprobs: list = [None] * len(seqs)
         want = [j for j, p in enumerate(params) if p.logprobs is not None and isinstance(tokens[j], int)]
         if want:
-            ks = [params[j].logprobs for j in want]
-            entries = token_logprobs(logits, [rows[j] for j in want], [tokens[j] for j in want], ks)
+            num_logprobs = [params[j].logprobs for j in want]
+            entries = token_logprobs(logits, [rows[j] for j in want], [tokens[j] for j in want], num_logprobs)
             for j, entry in zip(want, entries, strict=True):
                 logprobs[j] = entry
         return tokens, logprobs
@@ -321,7 +321,10 @@ class LLMEngine:
             params = [params] * len(prompts)
         # generate returns finished requests only: streaming options do not apply
         params = [
-            replace(p, output_kind="final_only") if isinstance(p, SamplingParams) else p for p in params
+            replace(p, output_kind="final_only")
+            if isinstance(p, SamplingParams) and p.output_kind != "final_only"
+            else p  # final_only params are kept as they are (no copy)
+            for p in params
         ]
         pairs = enumerate(zip(prompts, params, strict=True))
         requests = [self._new_request(x, p, self._next_id + i) for i, (x, p) in pairs]

@@ -299,7 +299,8 @@ def page_table_layout(
     for k, (s, _, _) in enumerate(snap.seqs):
         colors.setdefault(s, seq_color(s, k))
     styles = {b: _pool_style(b, snap, colors) for b in range(snap.num_blocks)}
-    places = place(snap, {b: len(label) for b, (_, label) in styles.items()}, limits)
+    labels = {b: label for b, (_, label) in styles.items()}  # each pool block's label text
+    places = place(snap, {b: len(text) for b, text in labels.items()}, limits)
     if show_numbers is None:
         drawn = len(places.pool) + len(places.logical)
         show_numbers = snap.block_size <= 8 and places.num_rows <= 24 and drawn <= 48
@@ -307,7 +308,7 @@ def page_table_layout(
     highlight = {as_int(b, "highlight block") for b in highlight}
     _logical_boxes(snap, places, colors, show_numbers, out)
     _pool_boxes(snap, places, styles, show_numbers, highlight, out)
-    _arrows(snap, places, colors, {b: label for b, (_, label) in styles.items()}, out)
+    _arrows(snap, places, colors, labels, out)
     bottom = _footer(snap, places, out)
     out.legend = _legend(snap, {styles[b][0].kind for b in places.pool}, highlight & set(places.pool))
     width = 0.42 * (places.x_max - places.x_min)
