@@ -48,3 +48,19 @@ def test_every_cell_is_stored_executed_and_opening_changes_nothing(path):
         i for i, c in enumerate(nb["cells"]) if c["cell_type"] == "code" and c["execution_count"] is None
     ]
     assert not unexecuted, f"cells stored without being executed (nbval would not compare them): {unexecuted}"
+
+
+CHAPTERS = sorted((ROOT / "notebooks").glob("[0-9]*.ipynb"))
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=_id)
+def test_every_chapter_has_the_map_and_a_summary(path):
+    """Where you are (the course map under the title) and what you take away (a three-to-five-bullet
+    summary before the exercises)."""
+    cells = ["".join(c["source"]) for c in json.loads(path.read_text())["cells"]]
+    assert cells[1].startswith("**Course map**"), "cell 1 is not the course map"
+    number = path.name.split("_")[0]
+    assert f"**{number} " in cells[1], f"the map does not mark chapter {number} as the current one"
+    (summary,) = [c for c in cells if c.startswith("## Summary")]
+    bullets = [line for line in summary.splitlines() if line.startswith("- ")]
+    assert 3 <= len(bullets) <= 5, f"the summary has {len(bullets)} bullets"
