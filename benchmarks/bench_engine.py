@@ -8,7 +8,7 @@ for vLLM). Here the same engine, model and KV budget run each workload under thr
   oracle  every request reserves exactly prompt + output slots (Orca (Oracle): knows its length)
   paged   blocks are taken as tokens arrive; preemption by recomputation when the pool runs out (vLLM)
 
-Workloads: `vllmini.memory.sample_requests` draws (input, output) lengths from lognormals whose means
+Workloads: `vllmini.course.memory.sample_requests` draws (input, output) lengths from lognormals whose means
 are the paper's (ShareGPT 161 / 338 tokens, Alpaca 19 / 58), clipped so input + output <= max_model_len.
 Prompts are random token ids; every request generates exactly its output length (ignore_eos), so the
 schedule does not depend on the weights and a random-weight model measures it faithfully.
@@ -78,8 +78,8 @@ import torch
 from cuda_timing import median_us
 from tqdm.auto import tqdm
 
+from vllmini.course.memory import sample_requests
 from vllmini.engine import LLMEngine, SamplingParams, sharing_summary
-from vllmini.memory import sample_requests
 from vllmini.model import AttentionMetadata, LlamaConfig, LlamaModel
 
 PAPER = {  # Kwon et al. 2023, Fig. 13 (OPT-13B, mean batched requests) and Fig. 2 (KV memory with tokens)

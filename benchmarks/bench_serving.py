@@ -12,20 +12,20 @@ model and KV budget run the same seeded trace under the three policies of benchm
 
 Set-up: bench_engine.py's KV budget (max_model_len 2048, 15,360 slots: static fits 7 requests; block 16)
 divided by --scale (lengths too, so every ratio that decides the batch is kept), lengths from
-`vllmini.memory.sample_requests` (the paper's ShareGPT / Alpaca means), every request generating exactly
-its drawn output length (ignore_eos), arrivals from `vllmini.serving.poisson_arrivals`. Each run serves
-24 / scale seconds of arrivals (a ShareGPT-like request lives ~1 s at 1/4 scale, ~2.3 s at 1/2: several
-lifetimes per run), drawn once at the highest rate and stretched for the others; a run is cut off at 3x
-that (its means are then lower bounds). A policy stops at the first rate whose mean normalized latency
+`vllmini.course.memory.sample_requests` (the paper's ShareGPT / Alpaca means), every request generating
+exactly its drawn output length (ignore_eos), arrivals from `vllmini.course.arrivals.poisson_arrivals`. Each
+run serves 24 / scale seconds of arrivals (a ShareGPT-like request lives ~1 s at 1/4 scale, ~2.3 s at 1/2:
+several lifetimes per run), drawn once at the highest rate and stretched for the others; a run is cut off at
+3x that (its means are then lower bounds). A policy stops at the first rate whose mean normalized latency
 passes 5x its value at the lowest rate; the highest rate sustained is interpolated where it crosses.
 
-Clocks: on CUDA the wall clock (each step timed, requests admitted when they arrive in real time), at
-1/2 scale so the whole sweep fits one 10-minute command (no new run starts after --time-budget, 480 s).
-On a CPU (default) a simulated clock: the real engine with a tiny model does the scheduling, preemption
-and memory; each step is charged `vllmini.serving.H200_STEP_COST` = a + b * tokens in the batch + c * KV
-tokens read, fitted to the step times in benchmarks/recorded/engine_step_times.json (derived from the H200
-engine runs of benchmarks/RESULTS.md; `--derive-step-times PATH` rebuilds that file). A wall-clock GPU
-run can save every step (--record-steps PATH) and fits the model to them.
+Clocks: on CUDA the wall clock (each step timed, requests admitted when they arrive in real time), at 1/2
+scale so the whole sweep fits one 10-minute command (no new run starts after --time-budget, 480 s). On a CPU
+(default) a simulated clock: the real engine with a tiny model does the scheduling, preemption and memory;
+each step is charged `vllmini.course.serving.H200_STEP_COST` = a + b * tokens in the batch + c * KV tokens
+read, fitted to the step times in benchmarks/recorded/engine_step_times.json (derived from the H200 engine
+runs of benchmarks/RESULTS.md; `--derive-step-times PATH` rebuilds that file). A wall-clock GPU run can save
+every step (--record-steps PATH) and fits the model to them.
 
     python benchmarks/bench_serving.py                       # CPU, simulated clock, 1/4 scale, < 1 min
     python benchmarks/bench_serving.py --workload alpaca
@@ -63,18 +63,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import ONE_B, TINY, random_model, workload  # noqa: E402
 
-from vllmini.engine import LLMEngine, SamplingParams  # noqa: E402
-from vllmini.serving import (  # noqa: E402
-    H200_STEP_COST,
-    POLICIES,
+from vllmini.course.latency import (  # noqa: E402
     RATE_GRID,
-    StepCost,
-    StepMeter,
     engine_at_scale,
     format_sweep,
     rate_sweep,
     sustained_rate,
 )
+from vllmini.course.serving import H200_STEP_COST, StepCost, StepMeter  # noqa: E402
+from vllmini.engine import LLMEngine, SamplingParams  # noqa: E402
+from vllmini.scheduler import POLICIES  # noqa: E402
 
 # The H200 engine runs of benchmarks/RESULTS.md (2026-11-30 06:57 UTC, kernel v1.1, `bench_engine.py
 # --device cuda --steps 600`: steps 120-600 timed), and its transformers comparison (64 ShareGPT-like
@@ -165,7 +163,7 @@ def plot(points, factor: float, path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from vllmini.viz import plot_latency_vs_rate
+    from vllmini.course.serving_plots import plot_latency_vs_rate
 
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     plot_latency_vs_rate(points, factor=factor, ax=ax, title=title)
@@ -185,7 +183,7 @@ def main() -> None:
     )
     ap.add_argument("--rates", type=float, nargs="+", help="requests/s (default: serving.RATE_GRID x scale)")
     ap.add_argument("--duration", type=float, help="seconds of arrivals per run (default 12 x 2 / scale)")
-    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    ap.add_argument("--policies", nargs="+", choices=POLICIES)  # default: all, paging last
     ap.add_argument("--seed", type=int, default=0, help="seed of the trace (arrivals, lengths, prompts)")
     ap.add_argument(
         "--factor", type=float, default=5.0, help="sustained: mean normalized latency < factor x lowest"
@@ -266,7 +264,7 @@ def main() -> None:
                 else "; paper (abstract): vLLM sustains 2-4x the rate of Orca and FasterTransformer"
             )
         )
-    skipped = [p for p in args.policies if p not in found]
+    skipped = [p for p in args.policies or POLICIES if p not in found]
     if time.perf_counter() - t0 >= args.time_budget:
         print(
             f"time budget of {args.time_budget:g} s spent: the sweep stopped early "

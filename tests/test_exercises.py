@@ -1,13 +1,13 @@
-"""Tests for vllmini.exercises: every check accepts a right answer and rejects a wrong one."""
+"""Tests for vllmini.course.exercises: every check accepts a right answer and rejects a wrong one."""
 
 import collections
 
 import pytest
 import torch
 
-from vllmini import exercises
 from vllmini.allocator import BlockAllocator
 from vllmini.attention import paged_attention
+from vllmini.course import exercises
 
 
 def test_fp8_check():
@@ -24,7 +24,8 @@ def test_time_average_and_block_manager_checks():
     exercises.check_time_average(static + 0.005, paged)
     with pytest.raises(AssertionError):
         exercises.check_time_average(0.243, paged)  # the at-completion snapshot is not the answer
-    from vllmini import BlockManager, memory
+    from vllmini import BlockManager
+    from vllmini.course import memory
 
     bm = BlockManager(num_blocks=1024, block_size=16)
     for k, (i, o) in enumerate(memory.sample_requests(30, "sharegpt", seed=0)):

@@ -1,13 +1,13 @@
-"""Tests for vllmini.memory: KV bytes per token, the synthetic workloads, the reservation simulation."""
+"""Tests for vllmini.course.memory: KV bytes per token, the synthetic workloads, the reservation
+simulation."""
 
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllmini import memory
-from vllmini.errors import InvalidArgumentError, InvalidTypeError
-from vllmini.memory import (
+from vllmini.course import memory
+from vllmini.course.memory import (
     LLAMA_2_7B,
     LLAMA_2_70B,
     LLAMA_3_8B,
@@ -24,6 +24,7 @@ from vllmini.memory import (
     sample_requests,
     static_reservation,
 )
+from vllmini.errors import InvalidArgumentError, InvalidTypeError
 
 KiB = 1024
 

@@ -1,5 +1,6 @@
-"""Tests for vllmini.serving: Poisson arrivals, the serving loop on the real engine, the metrics, the
-step-cost model, and the latency-vs-rate sweep (static must sustain a lower rate than paging)."""
+"""Tests for vllmini.course's arrivals, serving and latency: Poisson arrivals, the serving loop on the real
+engine, the metrics, the step-cost model, and the latency-vs-rate sweep (static must sustain a lower rate
+than paging)."""
 
 import json
 import math
@@ -10,25 +11,18 @@ import pytest
 import torch
 
 from vllmini import LlamaConfig, LlamaModel
-from vllmini.errors import EngineStateError, InvalidArgumentError, InvalidTypeError
-from vllmini.serving import (
-    H200_STEP_COST,
-    RequestRecord,
-    ServingRun,
-    StepCost,
+from vllmini.course.arrivals import TimedRequest, at_rate, make_trace, poisson_arrivals
+from vllmini.course.latency import (
     SweepPoint,
-    TimedRequest,
-    at_rate,
     engine_at_scale,
     format_metrics,
     format_sweep,
-    make_trace,
-    poisson_arrivals,
     rate_sweep,
-    serve,
     summarize,
     sustained_rate,
 )
+from vllmini.course.serving import H200_STEP_COST, RequestRecord, ServingRun, StepCost, serve
+from vllmini.errors import EngineStateError, InvalidArgumentError, InvalidTypeError
 
 RECORDED = Path(__file__).resolve().parents[1] / "benchmarks" / "recorded" / "engine_step_times.json"
 SCALE = 8  # notebook 06's scale: max_model_len 256, 1,920 KV slots, block size 2
@@ -344,7 +338,7 @@ def test_plot_latency_vs_rate():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from vllmini.viz import plot_latency_vs_rate
+    from vllmini.course.serving_plots import plot_latency_vs_rate
 
     pts = [point("static", 1.0, 0.01), point("static", 2.0, 0.08), point("paged", 1.0, 0.01)]
     pts.append(point("paged", 4.0, 0.02))

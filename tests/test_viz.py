@@ -1,5 +1,6 @@
-"""Tests for vllmini.viz: the static page-table figure and the interactive explorer (driven by clicking its
-buttons programmatically). Viz must only read what it draws."""
+"""Tests for the pictures of vllmini.course: the static page-table figure and the interactive explorer
+(driven by clicking its buttons programmatically), and the notebooks' other figures. A picture must only
+read what it draws."""
 
 import io
 import re
@@ -15,8 +16,11 @@ from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.patches import FancyArrowPatch  # noqa: E402
 
 from vllmini import BlockAllocator, BlockManager, BlockTable  # noqa: E402
+from vllmini.course.explorer import PageTableExplorer  # noqa: E402
+from vllmini.course.page_table import draw_page_table  # noqa: E402
+from vllmini.course.page_table_layout import page_table_layout  # noqa: E402
+from vllmini.course.style import CACHED_EDGE, seq_color  # noqa: E402
 from vllmini.errors import InvalidArgumentError, InvalidIndexError, InvalidTypeError, VllminiError  # noqa: E402
-from vllmini.viz import CACHED_EDGE, PageTableExplorer, draw_page_table, page_table_layout, seq_color  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -755,7 +759,8 @@ def test_explorer_without_prefix_caching_frees_plainly():
 def test_draw_reservations_draws_one_square_per_slot_per_scheme():
     from matplotlib.patches import Rectangle
 
-    from vllmini.viz import EMPTY_FACE, OUTPUT_FACE, PROMPT_FACE, draw_reservations
+    from vllmini.course.chapter_plots import draw_reservations
+    from vllmini.course.style import EMPTY_FACE, OUTPUT_FACE, PROMPT_FACE
 
     reqs = [(5, 3), (2, 4), (9, 5)]
     fig = draw_reservations(reqs, max_len=16, block_size=4)
@@ -771,7 +776,7 @@ def test_draw_reservations_draws_one_square_per_slot_per_scheme():
 
 
 def test_draw_prefill_and_decode_counts_reads():
-    from vllmini.viz import draw_prefill_and_decode
+    from vllmini.course.chapter_plots import draw_prefill_and_decode
 
     fig = draw_prefill_and_decode(prompt_len=5, num_decode_steps=3)
     prefill, decode = fig.axes[:2]
@@ -781,7 +786,7 @@ def test_draw_prefill_and_decode_counts_reads():
 
 
 def test_plot_token_shares_and_length_sweeps_plot_the_given_numbers():
-    from vllmini.viz import plot_length_sweeps, plot_token_shares
+    from vllmini.course.chapter_plots import plot_length_sweeps, plot_token_shares
 
     schemes = ("static", "pow2", "oracle", "paged")
     share = {(w, snap, s): 0.1 * (k + 1) + (0.05 if snap == "half" else 0) for w in ("A", "B")
@@ -806,7 +811,7 @@ def test_plot_token_shares_and_length_sweeps_plot_the_given_numbers():
 def test_draw_causal_mask_shows_exactly_the_mask():
     import numpy as np
 
-    from vllmini.viz import draw_causal_mask
+    from vllmini.course.chapter_plots import draw_causal_mask
 
     mask = np.arange(7)[None, :] <= np.arange(4, 7)[:, None]
     before = mask.copy()
@@ -818,7 +823,7 @@ def test_draw_causal_mask_shows_exactly_the_mask():
 
 
 def test_draw_flat_batch_marks_query_start_loc():
-    from vllmini.viz import draw_flat_batch
+    from vllmini.course.chapter_plots import draw_flat_batch
 
     fig = draw_flat_batch([3, 11], [7, 11], names="AB")
     ax = fig.axes[0]
@@ -834,7 +839,7 @@ def test_draw_flat_batch_marks_query_start_loc():
 
 
 def test_plot_request_timeline_colours_each_state():
-    from vllmini.viz import TIMELINE_STATES, plot_request_timeline
+    from vllmini.course.serving_plots import TIMELINE_STATES, plot_request_timeline
 
     timeline = {0: ["prefill", "decode", "finished", None], 1: ["waiting", "prefill", "preempted", "waiting"]}
     fig = plot_request_timeline(timeline)
@@ -865,7 +870,7 @@ def _fake_stats(n=6):
 
 
 def test_plot_pool_and_batch_plots_the_stats():
-    from vllmini.viz import plot_pool_and_batch
+    from vllmini.course.serving_plots import plot_pool_and_batch
 
     stats = _fake_stats()
     fig = plot_pool_and_batch(stats)
@@ -878,7 +883,7 @@ def test_plot_pool_and_batch_plots_the_stats():
 
 
 def test_plot_engine_experiment_bars_are_the_results():
-    from vllmini.viz import plot_engine_experiment
+    from vllmini.course.serving_plots import plot_engine_experiment
 
     pol = ("static", "oracle", "paged")
     results = {(w, p): {"batch": 7.0 * (k + 1) * (j + 1), "kv_tokens": 0.3 * (k + 1)}
@@ -891,19 +896,22 @@ def test_plot_engine_experiment_bars_are_the_results():
 
 
 def test_draw_pipeline_names_every_piece_in_order():
-    from vllmini.viz import PIPELINE, draw_pipeline
+    from vllmini.course.chapter_plots import PIPELINE, draw_pipeline
 
     fig = draw_pipeline()
     texts = [t.get_text() for t in fig.axes[0].texts]
     names = [t for t in texts if t in {name for name, _, _ in PIPELINE}]
     assert names == [name for name, _, _ in PIPELINE]
+    from importlib import import_module
+
     import vllmini
 
-    assert all(hasattr(vllmini, name) for name in names)  # every box is a public name of the package
+    # every box is a public name of the package, or (serving) a module of the course's tools
+    assert all(hasattr(vllmini, name) or import_module(f"vllmini.course.{name}") for name in names)
 
 
 def test_plot_requests_that_fit_draws_each_curve_and_the_paper():
-    from vllmini.viz import plot_requests_that_fit
+    from vllmini.course.chapter_plots import plot_requests_that_fit
 
     budgets = [2, 4, 6]
     curves = {
@@ -918,14 +926,14 @@ def test_plot_requests_that_fit_draws_each_curve_and_the_paper():
 
 # ---- CUDA pictures (notebook 05)
 
-from vllmini import viz  # noqa: E402
+from vllmini.course import cuda_plots  # noqa: E402
 
 
 def test_butterfly_steps_leave_the_sum_in_every_lane():
     import random
 
     values = [random.Random(1).randint(-9, 9) for _ in range(32)]
-    rows = viz.butterfly_steps(values)
+    rows = cuda_plots.butterfly_steps(values)
     assert len(rows) == 6 and rows[0] == values
     assert rows[-1] == [float(sum(values))] * 32
     assert rows[1][0] == values[0] + values[16] and rows[1][16] == values[16] + values[0]
@@ -935,7 +943,7 @@ def test_online_softmax_trace_matches_the_direct_sum():
     import math
 
     scores = [0.5, -1.0, 3.0, 2.0, 7.5, -4.0]
-    trace = viz.online_softmax_trace(scores)
+    trace = cuda_plots.online_softmax_trace(scores)
     assert [m for m, _, _ in trace] == [0.5, 0.5, 3.0, 3.0, 7.5, 7.5]
     m, l, _ = trace[-1]
     assert math.isclose(l * math.exp(m), sum(math.exp(s) for s in scores), rel_tol=1e-12)
@@ -943,7 +951,7 @@ def test_online_softmax_trace_matches_the_direct_sum():
 
 
 def test_page_read_owner_maps_threads_to_elements():
-    owner = viz.page_read_owner
+    owner = cuda_plots.page_read_owner
     assert owner("1", 4, 64)[3].tolist() == [3] * 64  # thread t reads token t's row
     assert owner("2", 4, 64)[0, [0, 31, 32, 63]].tolist() == [0, 31, 0, 31]  # dims l, l + 32
     assert owner("3", 4, 64)[0, [0, 1, 2, 63]].tolist() == [0, 0, 1, 31]  # dims 2l, 2l + 1
@@ -955,10 +963,10 @@ def test_page_read_owner_maps_threads_to_elements():
 
 def test_cuda_pictures_draw():
     figures = [
-        viz.draw_cuda_hierarchy(),
-        viz.draw_butterfly(list(range(32))),
-        viz.draw_online_softmax([0.0, 2.0, 1.0, 5.0, -1.0, 3.0], chunks=2),
-        viz.draw_page_reads(),
-        viz.draw_token_mapping(seq_len=40),
+        cuda_plots.draw_cuda_hierarchy(),
+        cuda_plots.draw_butterfly(list(range(32))),
+        cuda_plots.draw_online_softmax([0.0, 2.0, 1.0, 5.0, -1.0, 3.0], chunks=2),
+        cuda_plots.draw_page_reads(),
+        cuda_plots.draw_token_mapping(seq_len=40),
     ]
     assert all(isinstance(f, Figure) and f.axes for f in figures)

@@ -1,4 +1,4 @@
-"""Tests for vllmini.viz.blocks: each picture draws what its state says and rejects bad input."""
+"""Tests for vllmini.course.block_plots: each picture draws what its state says and rejects bad input."""
 
 import matplotlib
 import pytest
@@ -11,8 +11,8 @@ from matplotlib.patches import Rectangle  # noqa: E402
 
 from vllmini import BlockManager  # noqa: E402
 from vllmini.allocator import BlockAllocator  # noqa: E402
+from vllmini.course.block_plots import ONE_OWNER, SHARED, draw_pool_history, draw_slots_read  # noqa: E402
 from vllmini.errors import InvalidArgumentError, InvalidTypeError  # noqa: E402
-from vllmini.viz.blocks import ONE_OWNER, SHARED, draw_pool_history, draw_slots_read  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -28,10 +28,10 @@ _NAMES = {
 }
 _EXPORTS = {name: module for module, names in _NAMES.items() for name in names.split()}
 _SUBMODULES = set(
-    "errors checks memory allocator block_table block_manager prefix_cache kv_cache attention "
+    "errors checks allocator block_table block_manager prefix_cache kv_cache attention "
     "attention_checks kernel_registry launch_plan cuda_kernels emulator loader model sequence "
     "chunked_prefill scheduler sampling outputs processing interrupts config model_runner cuda_graphs "
-    "engine arrivals serving latency exercises viz".split()
+    "engine course".split()
 )
 
 __all__ = sorted(_EXPORTS)

@@ -1,5 +1,6 @@
 """Requests that arrive over time: a seeded Poisson arrival process over the ShareGPT-like and Alpaca-like
-length samplers of `vllmini.memory`, as a trace of TimedRequests that `vllmini.serving.serve` replays."""
+length samplers of `vllmini.course.memory`, as a trace of TimedRequests that `vllmini.course.serving.serve`
+replays."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from vllmini.checks import as_float, as_int, one_of
+from vllmini.course.memory import WORKLOADS, sample_requests
 from vllmini.errors import InvalidArgumentError
-from vllmini.memory import WORKLOADS, sample_requests
 
 
 def poisson_arrivals(

@@ -15,8 +15,8 @@ import copy
 
 from vllmini.block_manager import BlockManager
 from vllmini.checks import as_int
+from vllmini.course.style import plural
 from vllmini.errors import InvalidArgumentError
-from vllmini.viz.style import plural
 
 
 def _shown(slots: list[int]) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from vllmini.checks import cdiv
-from vllmini.viz.style import (
+from vllmini.course.style import (
     EMPTY_EDGE,
     EMPTY_FACE,
     FREE_FACE,

@@ -11,19 +11,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vllmini.arrivals import at_rate, make_trace
 from vllmini.checks import as_float, as_int, one_of
+from vllmini.course.arrivals import at_rate, make_trace
+from vllmini.course.serving import H200_STEP_COST, RequestRecord, ServingRun, StepCost, serve
 from vllmini.engine import LLMEngine
 from vllmini.errors import InvalidArgumentError
-from vllmini.serving import H200_STEP_COST, RequestRecord, ServingRun, StepCost, serve
+from vllmini.scheduler import POLICIES, check_policy
 
 __all__ = [
-    "FULL_BLOCK_SIZE", "FULL_KV_SLOTS", "FULL_MAX_MODEL_LEN", "PAPER_RATE_GAIN", "POLICIES", "RATE_GRID",
+    "FULL_BLOCK_SIZE", "FULL_KV_SLOTS", "FULL_MAX_MODEL_LEN", "PAPER_RATE_GAIN", "RATE_GRID",
     "ServingMetrics", "Stat", "Sustained", "SweepPoint", "engine_at_scale", "format_metrics", "format_sweep",
     "rate_sweep", "summarize", "sustained_rate",
 ]  # fmt: skip
-
-POLICIES = ("static", "oracle", "paged")
 
 # The engine benchmark's KV budget (benchmarks/bench_engine.py, notebook 06), at full size: the paper's
 # max_model_len 2048 and 15,360 token slots = 7.5 x 2048, so static reservation admits 7 requests at once
@@ -145,7 +144,7 @@ def format_metrics(m: ServingMetrics) -> str:
 def engine_at_scale(model, policy: str, scale: int = 1, **engine_kwargs) -> LLMEngine:
     """An engine on the engine benchmark's KV budget at 1/scale: max_model_len 2048 / scale, 15,360 / scale
     token slots (static reservation fits 7 requests), block size 16 / scale (at least 1)."""
-    one_of(policy, "policy", POLICIES)
+    check_policy(policy)
     scale = as_int(scale, "scale", min=1, max=FULL_MAX_MODEL_LEN // 2)
     block = max(1, FULL_BLOCK_SIZE // scale)
     kw = dict(max_num_seqs=1024, watermark=0.01) | engine_kwargs
@@ -194,7 +193,7 @@ def _check_sweep_args(workload, rates, policies, scale, duration, factor, max_ti
     if not rates:
         raise InvalidArgumentError("rates must hold at least one request rate, got none")
     for p in policies:
-        one_of(p, "policy", POLICIES)
+        check_policy(p)
     duration = as_float(duration, "duration", min=1e-9)
     factor = as_float(factor, "factor", min=1.0)
     max_time_factor = as_float(max_time_factor, "max_time_factor", min=1.0)
@@ -206,7 +205,7 @@ def rate_sweep(
     rates: Sequence[float] | None = None,
     *,
     workload: str = "sharegpt",
-    policies: Sequence[str] = POLICIES,
+    policies: Sequence[str] | None = None,
     scale: int = 1,
     duration: float = 60.0,
     seed: int = 0,
@@ -221,6 +220,7 @@ def rate_sweep(
 ) -> list[SweepPoint]:
     """Serve one seeded trace of `duration` seconds at each rate (ascending) under each policy, on the
     engine benchmark's KV budget at 1/scale (`engine_at_scale`). rates None: RATE_GRID[workload] x scale.
+    policies None: the scheduler's POLICIES, paging last (after the baselines it is measured against).
 
     The trace is drawn once at the highest rate and stretched for the lower ones (same requests, only
     the arrival rate changes). A run stops at max_time_factor * duration (its means are then lower
@@ -229,6 +229,8 @@ def rate_sweep(
     on_point(point) and on_run(run, point) are called after each run; keep_going() (e.g. a time budget)
     is asked before each run and False stops the sweep.
     """
+    if policies is None:
+        policies = sorted(POLICIES, key=lambda p: p == "paged")  # stable: the baselines keep their order
     rates, scale, duration, factor, max_time_factor = _check_sweep_args(
         workload, rates, policies, scale, duration, factor, max_time_factor
     )

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from vllmini.checks import as_int, check_tensor
+from vllmini.course.style import bare
 from vllmini.errors import InvalidArgumentError, InvalidTypeError
-from vllmini.viz.style import bare
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

@@ -5,10 +5,10 @@ request rate a policy sustains.
     run = serve(engine, trace)                                           # simulated clock (default)
     print(format_metrics(summarize(run)))
 
-Arrivals (`vllmini.arrivals`) are a Poisson process (exponential gaps with mean 1 / rate); lengths come from
-`vllmini.memory.sample_requests` (ShareGPT-like or Alpaca-like, the paper's means). `serve` admits each
-request when the clock reaches its arrival and steps the REAL engine (its scheduler, preemption and KV
-pool), recording per request: arrival, first token, finish, tokens. Two clocks:
+Arrivals (`vllmini.course.arrivals`) are a Poisson process (exponential gaps with mean 1 / rate); lengths
+come from `vllmini.course.memory.sample_requests` (ShareGPT-like or Alpaca-like, the paper's means).
+`serve` admits each request when the clock reaches its arrival and steps the REAL engine (its scheduler,
+preemption and KV pool), recording per request: arrival, first token, finish, tokens. Two clocks:
 
   "wall"       seconds measured around each step (on a GPU: the real thing).
   "simulated"  each step costs step_seconds = a + b * (tokens in the batch) + c * (KV tokens read),
@@ -20,10 +20,10 @@ pool), recording per request: arrival, first token, finish, tokens. Two clocks:
 Metrics follow the PagedAttention paper (Kwon et al., SOSP 2023, Sec. 6): normalized latency = a
 request's end-to-end latency divided by its output length, averaged over requests; plus time to first
 token (TTFT), time per output token after the first (TPOT, as vLLM's benchmark_serving.py) and
-throughput: `summarize` in `vllmini.latency`. There `rate_sweep` runs the same trace, time-scaled, at
-several rates for the static / oracle / paged policies on one KV budget, and `sustained_rate` finds the
+throughput: `summarize` in `vllmini.course.latency`. There `rate_sweep` runs the same trace, time-scaled,
+at several rates for the static / oracle / paged policies on one KV budget, and `sustained_rate` finds the
 highest rate at which a policy's mean normalized latency stays below `factor` (5) times its value at the
-lowest rate (Fig. 12 of the paper). (Those names are reachable from this module too.)
+lowest rate (Fig. 12 of the paper).
 """
 
 from __future__ import annotations
@@ -35,14 +35,15 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from vllmini.arrivals import TimedRequest, at_rate, make_trace, poisson_arrivals, scaled_lengths
 from vllmini.checks import as_float, as_int, one_of
-from vllmini.engine import LLMEngine, RequestOutput, SamplingParams
+from vllmini.course.arrivals import TimedRequest
+from vllmini.engine import LLMEngine
 from vllmini.errors import EngineStateError, InvalidArgumentError, InvalidTypeError
+from vllmini.outputs import RequestOutput
+from vllmini.sampling import SamplingParams
 
 __all__ = [
-    "CLOCKS", "H200_STEP_COST", "RequestRecord", "ServingRun", "StepCost", "StepMeter", "StepRecord",
-    "TimedRequest", "at_rate", "make_trace", "poisson_arrivals", "scaled_lengths", "serve",
+    "CLOCKS", "H200_STEP_COST", "RequestRecord", "ServingRun", "StepCost", "StepMeter", "StepRecord", "serve",
 ]  # fmt: skip
 
 CLOCKS = ("simulated", "wall")
@@ -107,7 +108,7 @@ H200_STEP_COST = StepCost(fixed=1.259e-2, per_token=7.737e-5, per_kv_token=0.0)
 
 @dataclass(frozen=True)
 class StepRecord:
-    """What one engine step did, counted from the sequences, and when it ran on the serving clock."""
+    """What one engine step did (from its StepStats), and when it ran on the serving clock."""
 
     start: float  # clock time the step started
     seconds: float  # its duration (measured, or modelled by StepCost)
@@ -123,8 +124,9 @@ class StepRecord:
 
 
 class StepMeter:
-    """Runs `engine.step()` and counts what it did from the engine's public state: which sequences were
-    prefilled or decoded, tokens in the batch, KV tokens read, new tokens, first tokens."""
+    """Runs `engine.step()` and reads what it did from the `StepStats` the engine records for it
+    (vllmini.outputs); which requests got their first token, which StepStats does not keep, comes from
+    their output lengths."""
 
     def __init__(self, engine: LLMEngine):
         if not isinstance(engine, LLMEngine):
@@ -135,33 +137,22 @@ class StepMeter:
     def step(self) -> tuple[list[RequestOutput], StepRecord, list[int]]:
         """One engine step: (finished outputs, its StepRecord with start=seconds=0, ids that got their
         first token in it)."""
-        sched = self.engine.scheduler
-        before = {s.seq_id: s for s in sched.running}
+        num_stats = len(self.engine.stats)
         finished = self.engine.step()
-        seen, ran = self.seen_len, {}
-        for s in sched.running:
-            ran[s.seq_id] = (len(s.prompt_token_ids), len(s.output_token_ids))
+        now = {s.request_id: len(s.output_token_ids) for s in self.engine.scheduler.running}
+        now |= {o.request_id: len(o.output_token_ids) for o in finished}
+        first = [rid for rid, n in now.items() if n and not self.seen_len.get(rid)]
+        self.seen_len |= now
         for o in finished:
-            ran[o.request_id] = (len(o.prompt_token_ids), len(o.output_token_ids))
-        prefills = decodes = batched = kv = generated = 0
-        first = []
-        for rid, (prompt, now) in ran.items():
-            had = seen.get(rid, 0)
-            if now == had:  # in the running list but not in this forward (cannot happen today)
-                continue
-            generated += now - had
-            kv += prompt + had  # tokens its attention reads: all but the one sampled in this step
-            if rid in before:
-                decodes, batched = decodes + 1, batched + 1
-            else:  # admitted now: its prompt and any tokens from before a preemption are prefilled
-                prefills, batched = prefills + 1, batched + prompt + had
-            if had == 0:
-                first.append(rid)
-        for rid, (_, now) in ran.items():
-            seen[rid] = now
-        for o in finished:
-            seen.pop(o.request_id, None)
-        return finished, StepRecord(0.0, 0.0, prefills, decodes, batched, kv, generated), first
+            self.seen_len.pop(o.request_id, None)
+        if len(self.engine.stats) == num_stats:  # nothing ran (only aborted requests came back)
+            return finished, StepRecord(0.0, 0.0, 0, 0, 0, 0, 0), first
+        st = self.engine.stats[-1]
+        batched = st.num_prefill_tokens + st.num_decodes  # a decode computes its one new token
+        record = StepRecord(
+            0.0, 0.0, st.num_prefills, st.num_decodes, batched, st.num_tokens, st.num_generated
+        )
+        return finished, record, first
 
 
 # -----------------------------------------------------------------------------
@@ -355,13 +346,3 @@ def serve(
             r.output_len = meter.seen_len.get(r.request_id, r.output_len)
     ordered = [records[k] for k in sorted(records)]
     return ServingRun(ordered, steps, clock, t, cut, engine.num_preemptions - preempted_before)
-
-
-def __getattr__(name: str):
-    """The metrics and the rate sweep live in vllmini.latency (which imports this module); reach them
-    from here too (`serving.rate_sweep`, `serving.summarize`, ...)."""
-    import vllmini.latency as latency
-
-    if name in latency.__all__:
-        return getattr(latency, name)
-    raise AttributeError(f"module 'vllmini.serving' has no attribute {name!r}")

@@ -3,7 +3,7 @@
 `page_table_layout(manager)` returns a `PageTableLayout`: one `Box` per drawn block (each sequence's
 logical blocks on the left, the physical pool on the right), one `Arrow` per logical -> physical mapping
 and per copy-on-write pair (source -> copy), the `Label`s, the legend and the figure's extent.
-`vllmini.viz.page_table` paints it; tests read it directly. Positions come from `page_table_places`.
+`vllmini.course.page_table` paints it; tests read it directly. Positions come from `page_table_places`.
 
 What a physical block looks like is decided in one place, `_pool_style`, by its kind:
 "used" (one owner), "shared" (several: black frame, one stripe per owner, "shared ×N" = its reference
@@ -18,10 +18,9 @@ from dataclasses import dataclass, field
 
 from vllmini.allocator import BlockAllocator
 from vllmini.checks import as_int, cdiv
-from vllmini.errors import InvalidArgumentError
-from vllmini.viz.page_table_places import LABEL_CHAR, LABEL_ROOM, Places, place
-from vllmini.viz.snapshot import Snapshot, snapshot
-from vllmini.viz.style import (
+from vllmini.course.page_table_places import LABEL_CHAR, LABEL_ROOM, Places, place
+from vllmini.course.snapshot import Snapshot, snapshot
+from vllmini.course.style import (
     CACHED_EDGE,
     CACHED_FACE,
     FREE_EDGE,
@@ -31,6 +30,7 @@ from vllmini.viz.style import (
     plural,
     seq_color,
 )
+from vllmini.errors import InvalidArgumentError
 
 GREY = "#777777"
 MID = ROW_HEIGHT / 2  # from a row's top to its middle, where labels and arrows attach

@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from vllmini.allocator import BlockAllocator
-from vllmini.viz.page_table_layout import Box, PageTableLayout, page_table_layout
-from vllmini.viz.style import HIGHLIGHT, ROW_HEIGHT
+from vllmini.course.page_table_layout import Box, PageTableLayout, page_table_layout
+from vllmini.course.style import HIGHLIGHT, ROW_HEIGHT
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

@@ -11,8 +11,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from vllmini.viz.page_table import draw_page_table
-from vllmini.viz.snapshot import Snapshot, snapshot
+from vllmini.course.page_table import draw_page_table
+from vllmini.course.snapshot import Snapshot, snapshot
 
 NEW_TOKENS = "new"  # the `starts with` choice for a sequence of tokens no other sequence has
 ACTIONS = ("add", "append", "fork", "free", "step")  # the buttons whose click travels with the tokens box

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from vllmini.viz.style import POLICY_COLORS, SCHEME_COLORS, bare, swatches
+from vllmini.course.style import POLICY_COLORS, SCHEME_COLORS, bare, swatches
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -132,12 +132,13 @@ def plot_engine_experiment(
 
 def plot_latency_vs_rate(points, *, factor: float = 5.0, ax: Axes | None = None, title: str | None = None):
     """Mean normalized latency (ms/token) against request rate, one line per policy, from
-    `vllmini.serving.rate_sweep` points; a dotted line marks the highest rate each policy sustains (below
-    `factor` x its lowest-rate latency, the dashed line). Hollow markers: runs cut off (lower bounds)."""
+    `vllmini.course.latency.rate_sweep` points; a dotted line marks the highest rate each policy sustains
+    (below `factor` x its lowest-rate latency, the dashed line). Hollow markers: runs cut off (lower
+    bounds)."""
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-    from vllmini.serving import sustained_rate
+    from vllmini.course.latency import sustained_rate
 
     if ax is None:
         _, ax = plt.subplots(figsize=(6.5, 4.2))

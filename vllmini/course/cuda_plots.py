@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from vllmini.course.style import PALETTE, bare
 from vllmini.errors import InvalidArgumentError
-from vllmini.viz.style import PALETTE, bare
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

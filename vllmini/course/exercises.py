@@ -3,7 +3,7 @@
 Each `check_*` computes the expected answer itself from the package's finished pieces (never a stored
 number), prints one line when the answer is right, and raises `AssertionError` with a hint when it is
 not. Worked solutions are in `notebooks/solutions/`. This module sits on top of the package, like
-`vllmini.viz`: nothing in the package imports it.
+the rest of `vllmini.course`: nothing in the engine imports it.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from vllmini import memory
 from vllmini.allocator import BlockAllocator
 from vllmini.checks import cdiv
+from vllmini.course import memory
 from vllmini.errors import VllminiError
 
 GiB = 2**30
@@ -268,8 +268,9 @@ def check_batched_decode(fn: Callable) -> None:
 def check_static_batch(fn: Callable) -> None:
     """Exercise 06.3: fn(pool_slots, max_model_len) -> how many requests the static policy runs at once
     (with an endless queue), checked against the engine itself on a tiny model."""
-    from vllmini.engine import LLMEngine, SamplingParams
+    from vllmini.engine import LLMEngine
     from vllmini.model import LlamaConfig, LlamaModel
+    from vllmini.sampling import SamplingParams
 
     for pool, max_len in [(1920, 256), (1920, 128), (1000, 256), (64, 32), (63, 32)]:
         want = pool // max_len

@@ -1,4 +1,4 @@
-"""Colours and small helpers every picture in `vllmini.viz` shares."""
+"""Colours and small helpers every picture in `vllmini.course` shares."""
 
 from __future__ import annotations
 

@@ -13,10 +13,10 @@ import functools
 import html
 
 from vllmini.checks import as_int, one_of
+from vllmini.course.explorer_widgets import ACTIONS, NEW_TOKENS, BackgroundPainter, build_controls
+from vllmini.course.playground import PageTablePlayground
+from vllmini.course.style import plural
 from vllmini.errors import VllminiError
-from vllmini.viz.explorer_widgets import ACTIONS, NEW_TOKENS, BackgroundPainter, build_controls
-from vllmini.viz.playground import PageTablePlayground
-from vllmini.viz.style import plural
 
 
 def _locked(method):

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vllmini.checks import cdiv
-from vllmini.viz.snapshot import Snapshot
+from vllmini.course.snapshot import Snapshot
 
 LABEL_ROOM = 4.4  # at least this much room right of a pool block for its label
 LABEL_CHAR = 0.17  # about the width of one character of a pool label, in data units

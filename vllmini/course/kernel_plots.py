@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from vllmini.viz.style import PALETTE
+from vllmini.course.style import PALETTE
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
