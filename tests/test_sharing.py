@@ -179,7 +179,7 @@ def test_restore_forgets_blocks_evicted_since_the_snapshot():
 
 
 def test_prefix_caching_flag_is_checked():
-    with pytest.raises(InvalidArgumentError, match="enable_prefix_caching"):
+    with pytest.raises(InvalidTypeError, match="enable_prefix_caching must be a bool"):
         BlockManager(4, 4, enable_prefix_caching=1)
     assert BlockManager(4, 4).cached_prefix([1] * 9, []) == []
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 from vllmini.attention import BACKENDS
-from vllmini.checks import as_bool, as_fraction, as_int, one_of
+from vllmini.checks import as_block_size, as_bool, as_fraction, as_int, one_of
 from vllmini.errors import InvalidArgumentError, InvalidTypeError
 from vllmini.scheduler import check_policy
 
@@ -44,7 +44,7 @@ class EngineConfig:
     max_cuda_graph_batch_size: int = 256  # the largest decode batch replayed from a graph (at most 512)
 
     def __post_init__(self):
-        self.block_size = as_int(self.block_size, "block_size", min=1)
+        self.block_size = as_block_size(self.block_size)
         for name in ("num_blocks", "kv_cache_memory", "max_model_len", "max_num_batched_tokens"):
             if getattr(self, name) is not None:
                 setattr(self, name, as_int(getattr(self, name), name, min=1))

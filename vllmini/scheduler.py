@@ -34,7 +34,7 @@ from itertools import islice
 
 from vllmini import chunked_prefill
 from vllmini.block_manager import BlockManager
-from vllmini.checks import as_bool, as_fraction, as_int, cdiv, one_of
+from vllmini.checks import as_block_size, as_bool, as_fraction, as_int, cdiv, one_of
 from vllmini.errors import EngineStateError, InvalidArgumentError
 from vllmini.sequence import SchedulerOutput, Sequence, SequenceStatus, as_group
 
@@ -70,7 +70,7 @@ class Scheduler:
         enable_prefix_caching = as_bool(enable_prefix_caching, "enable_prefix_caching")
         check_policy(policy, enable_prefix_caching)
         num_blocks = as_int(num_blocks, "num_blocks", min=1)
-        block_size = as_int(block_size, "block_size", min=1)
+        block_size = as_block_size(block_size)
         max_model_len = as_int(max_model_len, "max_model_len", min=1)
         max_num_seqs = as_int(max_num_seqs, "max_num_seqs", min=1)
         watermark = as_fraction(watermark, "watermark", "[0, 1)")
