@@ -78,9 +78,10 @@ import torch
 from cuda_timing import median_us
 from tqdm.auto import tqdm
 
+from vllmini.attention import AttentionMetadata
 from vllmini.engine import LLMEngine, SamplingParams, sharing_summary
 from vllmini.memory import sample_requests
-from vllmini.model import AttentionMetadata, LlamaConfig, LlamaModel
+from vllmini.model import LlamaConfig, LlamaModel
 
 PAPER = {  # Kwon et al. 2023, Fig. 13 (OPT-13B, mean batched requests) and Fig. 2 (KV memory with tokens)
     "batch": {
