@@ -63,7 +63,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import ONE_B, TINY, random_model, workload  # noqa: E402
 
-from vllmini.engine import LLMEngine, SamplingParams  # noqa: E402
+from vllmini.engine import LLMEngine  # noqa: E402
+from vllmini.sampling import SamplingParams
 from vllmini.serving import (  # noqa: E402
     H200_STEP_COST,
     POLICIES,

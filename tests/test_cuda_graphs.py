@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from vllmini.attention import AttentionMetadata, guarded_by_default, to_device
-from vllmini.engine import LLMEngine, SamplingParams
+from vllmini.engine import LLMEngine
 from vllmini.errors import InvalidArgumentError, InvalidBlockTableError
 from vllmini.kv_cache import PagedKVCache
 from vllmini.model import LlamaModel
 from vllmini.model_runner import capture_sizes, input_views, pack_inputs, padded_decode_forward
+from vllmini.sampling import SamplingParams
 
 pytest.importorskip("transformers")
 from engine_faults import corrupt_first_page  # noqa: E402

@@ -17,8 +17,10 @@ from hypothesis import strategies as st
 
 from vllmini import prefix_cache as pc
 from vllmini.block_manager import BlockManager
-from vllmini.engine import LLMEngine, SamplingParams, sample_seed, sharing_summary
+from vllmini.engine import LLMEngine
 from vllmini.errors import InvalidArgumentError, InvalidTypeError, OutOfBlocksError
+from vllmini.outputs import sharing_summary
+from vllmini.sampling import SamplingParams, sample_seed
 
 transformers = pytest.importorskip("transformers")
 from engine_faults import fails_once_per_step  # noqa: E402

@@ -268,8 +268,9 @@ def check_batched_decode(fn: Callable) -> None:
 def check_static_batch(fn: Callable) -> None:
     """Exercise 06.3: fn(pool_slots, max_model_len) -> how many requests the static policy runs at once
     (with an endless queue), checked against the engine itself on a tiny model."""
-    from vllmini.engine import LLMEngine, SamplingParams
+    from vllmini.engine import LLMEngine
     from vllmini.model import LlamaConfig, LlamaModel
+    from vllmini.sampling import SamplingParams
 
     for pool, max_len in [(1920, 256), (1920, 128), (1000, 256), (64, 32), (63, 32)]:
         want = pool // max_len

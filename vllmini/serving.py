@@ -37,8 +37,10 @@ import numpy as np
 
 from vllmini.arrivals import TimedRequest, at_rate, make_trace, poisson_arrivals, scaled_lengths
 from vllmini.checks import as_float, as_int, one_of
-from vllmini.engine import LLMEngine, RequestOutput, SamplingParams
+from vllmini.engine import LLMEngine
 from vllmini.errors import EngineStateError, InvalidArgumentError, InvalidTypeError
+from vllmini.outputs import RequestOutput
+from vllmini.sampling import SamplingParams
 
 __all__ = [
     "CLOCKS", "H200_STEP_COST", "RequestRecord", "ServingRun", "StepCost", "StepMeter", "StepRecord",
