@@ -20,10 +20,9 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Callable
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -363,7 +362,7 @@ class LlamaModel(nn.Module):
         dtype and device already match). dtype defaults to the stored weights'."""
         if dtype is not None and dtype not in DTYPES:
             raise InvalidTypeError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-        ckpt = read_checkpoint(path_or_hf_model, LlamaConfig.from_dict)
+        ckpt = read_checkpoint(path_or_hf_model)
         state, where = ckpt.state, ckpt.where
         embed = state.get("model.embed_tokens.weight", state.get("embed_tokens.weight"))  # prefix optional
         if embed is None:
@@ -389,9 +388,9 @@ class LlamaModel(nn.Module):
 class Checkpoint(NamedTuple):
     """What a checkpoint holds, read but not yet placed in a model."""
 
-    config: Any  # what parse_config made of the config dict (a LlamaConfig)
+    config: LlamaConfig
     state: dict  # Hugging Face tensor name -> tensor
-    tokenizer: Any  # a tokenizers.Tokenizer, or None
+    tokenizer: object  # a tokenizers.Tokenizer, or None
     generation: dict  # generation_config.json (eos_token_id, ...), {} if none
     where: str  # names the checkpoint in error messages
     device: torch.device | None  # an in-memory model's device (None for a directory)
@@ -419,16 +418,16 @@ def read_checkpoint_file(file: Path, read):
         raise CheckpointError(f"bad checkpoint file {str(file)!r}: {e}") from e
 
 
-def read_checkpoint(path_or_hf_model, parse_config: Callable[[dict], Any]) -> Checkpoint:
-    """Read a checkpoint directory or an in-memory transformers model; parse_config(config dict) makes
-    the model's config (a parse error in config.json names that file)."""
+def read_checkpoint(path_or_hf_model) -> Checkpoint:
+    """Read a checkpoint directory or an in-memory transformers model (a parse error in config.json names
+    that file)."""
     tokenizer, gen, device = None, {}, None
     if isinstance(path_or_hf_model, (str, os.PathLike)):
         root = Path(path_or_hf_model)
         if not root.is_dir():
             raise CheckpointNotFoundError(f"no checkpoint directory {str(root)!r}")
         where = f"checkpoint {str(root)!r}"
-        config = read_checkpoint_file(root / "config.json", lambda f: parse_config(read_json(f)))
+        config = LlamaConfig.from_pretrained(root)
         state = load_safetensors(root)
         if (root / "tokenizer.json").is_file():
             from tokenizers import Tokenizer
@@ -438,7 +437,7 @@ def read_checkpoint(path_or_hf_model, parse_config: Callable[[dict], Any]) -> Ch
             gen = read_checkpoint_file(root / "generation_config.json", read_json)
     elif hasattr(path_or_hf_model, "state_dict") and hasattr(path_or_hf_model, "config"):
         where = f"the {type(path_or_hf_model).__name__}"
-        config = parse_config(path_or_hf_model.config.to_dict())
+        config = LlamaConfig.from_dict(path_or_hf_model.config.to_dict())
         state = path_or_hf_model.state_dict()
         generation = getattr(path_or_hf_model, "generation_config", None)
         gen = {"eos_token_id": getattr(generation, "eos_token_id", None)}
