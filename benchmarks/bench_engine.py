@@ -78,9 +78,12 @@ import torch
 from cuda_timing import median_us
 from tqdm.auto import tqdm
 
+from vllmini.attention import AttentionMetadata
 from vllmini.course.memory import sample_requests
-from vllmini.engine import LLMEngine, SamplingParams, sharing_summary
-from vllmini.model import AttentionMetadata, LlamaConfig, LlamaModel
+from vllmini.engine import LLMEngine
+from vllmini.model import LlamaConfig, LlamaModel
+from vllmini.outputs import sharing_summary
+from vllmini.sampling import SamplingParams
 
 PAPER = {  # Kwon et al. 2023, Fig. 13 (OPT-13B, mean batched requests) and Fig. 2 (KV memory with tokens)
     "batch": {

@@ -71,7 +71,8 @@ from vllmini.course.latency import (  # noqa: E402
     sustained_rate,
 )
 from vllmini.course.serving import H200_STEP_COST, StepCost, StepMeter  # noqa: E402
-from vllmini.engine import LLMEngine, SamplingParams  # noqa: E402
+from vllmini.engine import LLMEngine  # noqa: E402
+from vllmini.sampling import SamplingParams  # noqa: E402
 from vllmini.scheduler import POLICIES  # noqa: E402
 
 # The H200 engine runs of benchmarks/RESULTS.md (2026-11-30 06:57 UTC, kernel v1.1, `bench_engine.py

@@ -1,9 +1,6 @@
 """Tests for vllmini.block_manager (BlockManager: many page tables over one pool), plus a hypothesis state
 machine that drives many sequences and checks the whole pool after every step."""
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
@@ -224,22 +221,6 @@ def test_usage_is_utilization_and_sharing_in_one():
     m.fork(0, 2)  # shared: tokens are counted block by block, each shared block once
     u = m.usage(num_tokens=99)
     assert (u["num_tokens"], u["used_blocks"], u["logical_blocks"], u["shared_blocks"]) == (9, 3, 5, 2)
-
-
-def test_block_manager_is_still_importable_from_block_table():
-    """BlockManager lives in vllmini/block_manager.py, which imports block_table, never the reverse:
-    loading block_table loads no block_manager; the old import finds it on first use."""
-    code = (
-        "import sys, vllmini.block_table as bt; print('vllmini.block_manager' in sys.modules); "
-        "from vllmini.block_table import BlockManager; from vllmini import block_manager; "
-        "print(BlockManager is block_manager.BlockManager)"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["False", "True"]
-    import vllmini.block_table as bt
-
-    with pytest.raises(AttributeError, match="has no attribute 'BlockManagr'"):
-        _ = bt.BlockManagr
 
 
 def test_numpy_ints_are_fine_and_bools_are_not():

@@ -11,10 +11,12 @@ import random
 import pytest
 import torch
 
-from vllmini.engine import LLMEngine, SamplingParams
+from vllmini.engine import LLMEngine
 from vllmini.errors import EngineStateError, InvalidArgumentError
 from vllmini.model_runner import prepare_inputs
-from vllmini.scheduler import Scheduler, Sequence
+from vllmini.sampling import SamplingParams
+from vllmini.scheduler import Scheduler
+from vllmini.sequence import Sequence
 
 transformers = pytest.importorskip("transformers")
 from engine_faults import fails_once_per_step  # noqa: E402

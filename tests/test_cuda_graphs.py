@@ -1,16 +1,18 @@
-"""Tests for vllmini.cuda_graphs: the captured sizes (CPU), a decode forward with no host sync, and the
-engine's decode steps replayed from CUDA graphs against the eager engine (GPU)."""
+"""Tests for the CUDA graphs of vllmini.model_runner: the captured sizes (CPU), a decode forward with no
+host sync, and the engine's decode steps replayed from CUDA graphs against the eager engine (GPU)."""
 
 import contextlib
 
 import pytest
 import torch
 
-from vllmini.cuda_graphs import capture_sizes, input_views, pack_inputs, padded_decode_forward
-from vllmini.engine import LLMEngine, SamplingParams
+from vllmini.attention import AttentionMetadata, guarded_by_default, to_device
+from vllmini.engine import LLMEngine
 from vllmini.errors import InvalidArgumentError, InvalidBlockTableError
 from vllmini.kv_cache import PagedKVCache
-from vllmini.model import AttentionMetadata, LlamaModel, to_device
+from vllmini.model import LlamaModel
+from vllmini.model_runner import capture_sizes, input_views, pack_inputs, padded_decode_forward
+from vllmini.sampling import SamplingParams
 
 pytest.importorskip("transformers")
 from engine_faults import corrupt_first_page  # noqa: E402
@@ -179,7 +181,7 @@ def test_a_bad_block_id_is_caught_under_graphs(monkeypatch):
     kw = dict(block_size=4, num_blocks=32, max_num_seqs=4, use_cuda_graphs=True)
     clean = LLMEngine(model, **kw).generate([[5, 6, 7, 8, 9]], params, use_tqdm=False)
     engine = LLMEngine(model, **kw)
-    if not engine.runner.guarded:
+    if not guarded_by_default(engine.backend, engine.device, model.dtype):
         pytest.skip("the decode backend has no in-kernel guard (no CuPy): the host check catches it")
     rid = engine.add_request([5, 6, 7, 8, 9], params)
     engine.step()  # the prefill

@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from vllmini.engine import LLMEngine, RequestOutput, SamplingParams, sample
+from vllmini.engine import LLMEngine
 from vllmini.errors import EngineStateError, InvalidArgumentError, InvalidTypeError, VllminiError
 from vllmini.model import LlamaModel
+from vllmini.outputs import RequestOutput
+from vllmini.sampling import SamplingParams, sample
 
 transformers = pytest.importorskip("transformers")
 from engine_faults import corrupt_first_page  # noqa: E402

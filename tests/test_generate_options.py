@@ -11,9 +11,11 @@ import torch
 from engine_faults import fails_once_per_step
 
 import vllmini.sampling as sampling_module
-from vllmini.engine import LLMEngine, Logprob, SamplingParams, sample_batch
+from vllmini.engine import LLMEngine
 from vllmini.errors import InvalidArgumentError, InvalidTypeError
 from vllmini.model import LlamaModel
+from vllmini.outputs import Logprob
+from vllmini.sampling import SamplingParams, sample_batch
 
 transformers = pytest.importorskip("transformers")
 

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import torch
 
+from vllmini.attention import AttentionMetadata
 from vllmini.errors import CheckpointError, CheckpointNotFoundError, InvalidArgumentError, InvalidTypeError
 from vllmini.kv_cache import PagedKVCache
-from vllmini.model import AttentionMetadata, LlamaConfig, LlamaModel, rope_inv_freq
+from vllmini.model import LlamaConfig, LlamaModel, rope_inv_freq
 
 transformers = pytest.importorskip("transformers")
 from llama_cases import LLAMA3_ROPE, hf_config, random_hf_model  # noqa: E402 (needs transformers)
@@ -408,8 +409,6 @@ def test_rope_frequencies_stay_float32_when_the_model_is_cast():
 def test_metadata_checked_on_host_then_moved_skips_the_forward_checks(checkpoint, monkeypatch):
     """check_on_host raises what the forward would; once it passed, the forward checks nothing again
     (on a GPU each check is a sync) and gives the same logits."""
-    import vllmini.model as model_module
-
     model = LlamaModel.from_pretrained(checkpoint, dtype=torch.float32)
     cache = PagedKVCache(2, 2, 16, 4, num_blocks=4, dtype=torch.float32)
     bad = AttentionMetadata.build([1], torch.tensor([[5]], dtype=torch.int32), [2], [1], 0)
@@ -425,6 +424,5 @@ def test_metadata_checked_on_host_then_moved_skips_the_forward_checks(checkpoint
     meta.check_on_host(4, 4)
     moved = meta.to("cpu")
     assert moved.host_checked and moved.last_token_indices.tolist() == [2]
-    monkeypatch.setattr(model_module, "check_slot_mapping", lambda *a, **k: pytest.fail("checked twice"))
-    monkeypatch.setattr(model_module, "check_block_tables", lambda *a, **k: pytest.fail("checked twice"))
+    monkeypatch.setattr(AttentionMetadata, "check_on_host", lambda *a, **k: pytest.fail("checked twice"))
     torch.testing.assert_close(model(ids, pos, cache, moved), want, rtol=0, atol=0)

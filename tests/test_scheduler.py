@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from vllmini.errors import EngineStateError, InvalidArgumentError, InvalidTypeError
 from vllmini.model_runner import prepare_inputs
-from vllmini.scheduler import Scheduler, Sequence, SequenceStatus
+from vllmini.scheduler import Scheduler
+from vllmini.sequence import Sequence, SequenceStatus
 
 # -----------------------------------------------------------------------------
 # no request lost or duplicated, whatever the pool

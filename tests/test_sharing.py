@@ -17,8 +17,10 @@ from hypothesis import strategies as st
 
 from vllmini import prefix_cache as pc
 from vllmini.block_manager import BlockManager
-from vllmini.engine import LLMEngine, SamplingParams, sample_seed, sharing_summary
+from vllmini.engine import LLMEngine
 from vllmini.errors import InvalidArgumentError, InvalidTypeError, OutOfBlocksError
+from vllmini.outputs import sharing_summary
+from vllmini.sampling import SamplingParams, sample_seed
 
 transformers = pytest.importorskip("transformers")
 from engine_faults import fails_once_per_step  # noqa: E402
@@ -179,7 +181,7 @@ def test_restore_forgets_blocks_evicted_since_the_snapshot():
 
 
 def test_prefix_caching_flag_is_checked():
-    with pytest.raises(InvalidArgumentError, match="enable_prefix_caching"):
+    with pytest.raises(InvalidTypeError, match="enable_prefix_caching must be a bool"):
         BlockManager(4, 4, enable_prefix_caching=1)
     assert BlockManager(4, 4).cached_prefix([1] * 9, []) == []
 

@@ -20,18 +20,17 @@ _NAMES = {
     "kv_cache": "PagedKVCache reshape_and_cache",
     "attention": "paged_attention paged_prefill_attention check_kernel_errors",
     "model": "LlamaConfig LlamaModel",
-    "scheduler": "Sequence Scheduler",
+    "sequence": "Sequence",
+    "scheduler": "Scheduler",
     "sampling": "SamplingParams",
-    "config": "EngineConfig",
     "outputs": "RequestOutput CompletionOutput Logprob",
-    "engine": "LLMEngine",
+    "engine": "LLMEngine EngineConfig",
 }
 _EXPORTS = {name: module for module, names in _NAMES.items() for name in names.split()}
 _SUBMODULES = set(
     "errors checks allocator block_table block_manager prefix_cache kv_cache attention "
-    "attention_checks kernel_registry launch_plan cuda_kernels emulator loader model sequence "
-    "chunked_prefill scheduler sampling outputs processing interrupts config model_runner cuda_graphs "
-    "engine course".split()
+    "attention_checks kernel_registry launch_plan cuda_kernels emulator model sequence scheduler "
+    "sampling outputs model_runner engine course".split()
 )
 
 __all__ = sorted(_EXPORTS)

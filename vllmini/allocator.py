@@ -71,6 +71,16 @@ class BlockAllocator:
             self._ref_counts[block_id] += 1
         return ids
 
+    # undo
+    def snapshot(self) -> tuple:
+        """The free list and reference counts, for `restore` (e.g. undoing a failed engine step)."""
+        return self._next_unused, list(self._free), dict(self._ref_counts)
+
+    def restore(self, snapshot: tuple) -> None:
+        """Put back what `snapshot()` saved; the snapshot stays reusable."""
+        self._next_unused, free, ref_counts = snapshot
+        self._free, self._ref_counts = list(free), dict(ref_counts)
+
     # checks
     def _check_id(self, block_id) -> int:
         block_id = as_int(block_id, "block_id")

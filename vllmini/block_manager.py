@@ -17,13 +17,12 @@ hash (`cache_full_blocks`), and a named block whose last owner leaves stays cach
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Hashable, Iterable
 from typing import TYPE_CHECKING
 
 from vllmini.allocator import BlockAllocator
 from vllmini.block_table import BlockTable, pool_utilization
-from vllmini.checks import as_int, cdiv
+from vllmini.checks import as_block_size, as_bool, as_int, cdiv
 from vllmini.errors import InvalidArgumentError, OutOfBlocksError, VllminiError
 from vllmini.prefix_cache import PrefixCache, extend_hashes
 
@@ -38,14 +37,13 @@ class BlockManager:
         self, num_blocks: int, block_size: int, watermark_blocks: int = 0, enable_prefix_caching: bool = False
     ):
         self.allocator = BlockAllocator(num_blocks)
-        self.block_size = as_int(block_size, "block_size", min=1)
+        self.block_size = as_block_size(block_size)
         # new sequences must leave this many blocks free, so running sequences can still grow
         self.watermark_blocks = as_int(watermark_blocks, "watermark_blocks", min=0, max=self.num_blocks - 1)
         self._tables: dict[Hashable, BlockTable] = {}
         self._pinned: set[int] = set()  # freed blocks kept alive as the source of a pending copy
-        if not isinstance(enable_prefix_caching, bool):
-            raise InvalidArgumentError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
-        self.prefix_cache = PrefixCache(block_size) if enable_prefix_caching else None
+        enable_prefix_caching = as_bool(enable_prefix_caching, "enable_prefix_caching")
+        self.prefix_cache = PrefixCache(self.block_size) if enable_prefix_caching else None
 
     @property
     def num_blocks(self) -> int:
@@ -237,7 +235,7 @@ class BlockManager:
     def snapshot(self) -> tuple:
         """The whole state (allocator, tables, pins), for `restore`: undoes a batch of changes that
         failed halfway, e.g. a scheduler step whose forward raised. Costs O(num_blocks)."""
-        allocator = {k: copy.copy(v) for k, v in vars(self.allocator).items()}  # free list, ref counts
+        allocator = self.allocator.snapshot()
         tables = {s: (t, t.block_ids, t.num_tokens, list(t.pending_copies)) for s, t in self._tables.items()}
         cache = self.prefix_cache.snapshot() if self.prefix_cache is not None else None
         return allocator, tables, set(self._pinned), cache
@@ -245,7 +243,7 @@ class BlockManager:
     def restore(self, snapshot: tuple) -> None:
         """Put back the state `snapshot()` saved (the same table objects); the snapshot stays reusable."""
         allocator, tables, pinned, cache = snapshot
-        vars(self.allocator).update({k: copy.copy(v) for k, v in allocator.items()})
+        self.allocator.restore(allocator)
         self._tables = {}
         for seq_id, (table, block_ids, num_tokens, pending) in tables.items():
             table.adopt(block_ids, num_tokens)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from vllmini.allocator import BlockAllocator
-from vllmini.checks import as_int, cdiv
+from vllmini.checks import as_block_size, as_int, cdiv
 from vllmini.errors import InvalidIndexError, InvalidTypeError, OutOfBlocksError
 
 
@@ -56,7 +56,7 @@ class BlockTable:
         if not isinstance(allocator, BlockAllocator):
             raise InvalidTypeError(f"allocator must be a BlockAllocator, got {type(allocator).__name__}")
         self.allocator = allocator
-        self.block_size = as_int(block_size, "block_size", min=1)
+        self.block_size = as_block_size(block_size)
         self._block_ids: list[int] = []
         self._num_tokens = 0
         self.pending_copies: list[tuple[int, int]] = []  # (src_block, dst_block) copy-on-write jobs
@@ -158,12 +158,3 @@ class BlockTable:
             f"BlockTable(num_tokens={self._num_tokens}, block_size={self.block_size}, "
             f"block_ids={self._block_ids})"
         )
-
-
-def __getattr__(name: str):
-    """`BlockManager` from its old home, looked up on first use: block_manager.py imports this module."""
-    if name == "BlockManager":
-        from vllmini.block_manager import BlockManager
-
-        return BlockManager
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

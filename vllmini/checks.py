@@ -38,6 +38,11 @@ def as_int(value, name: str, *, min: int | None = None, max: int | None = None) 
     return value
 
 
+def as_block_size(value) -> int:
+    """`value` as a block size: tokens per KV block, an int >= 1 (the one check every constructor uses)."""
+    return as_int(value, "block_size", min=1)
+
+
 def as_index(value, name: str, size: int) -> int:
     """`value` as an int index in [0, size); out of range is an IndexError (InvalidIndexError)."""
     value = as_int(value, name)

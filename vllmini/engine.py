@@ -18,35 +18,160 @@ Sharing pages: the n samples of `SamplingParams(n=...)` share their prompt's pag
 block it writes into (copy-on-write: one indexed copy per cache tensor, before the step's forward);
 `enable_prefix_caching` reuses the cached K/V of a prompt prefix computed before; `sharing_summary(stats)`
 sums up what sharing saved. `enable_chunked_prefill` caps every step at max_num_batched_tokens
-(vllmini.chunked_prefill). On a GPU, decode-only steps replay CUDA graphs (vllmini.cuda_graphs), and a
+(vllmini.scheduler). On a GPU, decode-only steps replay CUDA graphs (vllmini.model_runner), and a
 step syncs twice: to read the kernels' guard record, and to bring the sampled tokens to the host.
 """
 
 from __future__ import annotations
 
 import random
+import signal
+import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
 
-from vllmini.checks import as_int
-from vllmini.config import EngineConfig, make_config
+from vllmini.attention import BACKENDS
+from vllmini.checks import as_block_size, as_bool, as_fraction, as_int, one_of
 from vllmini.errors import EngineStateError, InvalidArgumentError, InvalidTypeError
-from vllmini.interrupts import DeferSigint
 from vllmini.model import LlamaModel
 from vllmini.model_runner import ModelRunner
-from vllmini.outputs import CompletionOutput, Logprob, RequestOutput, StepStats, sharing_summary
-from vllmini.processing import InputProcessor, OutputProcessor
-from vllmini.sampling import SamplingParams, sample, sample_batch, sample_seed, token_logprobs
-from vllmini.scheduler import Scheduler, Sequence, SequenceStatus
+from vllmini.outputs import InputProcessor, OutputProcessor, RequestOutput, StepStats
+from vllmini.sampling import SamplingParams, sample_batch, sample_seed, token_logprobs
+from vllmini.scheduler import Scheduler, check_policy
+from vllmini.sequence import SchedulerOutput, Sequence, SequenceStatus
 
-# the names this module re-exports, so `from vllmini.engine import SamplingParams` keeps working
-__all__ = [
-    "CompletionOutput", "EngineConfig", "LLMEngine", "Logprob", "RequestOutput", "SamplingParams",
-    "StepStats", "sample", "sample_batch", "sample_seed", "sharing_summary", "token_logprobs",
-]  # fmt: skip
+# -----------------------------------------------------------------------------
+# the options
+
+
+@dataclass
+class EngineConfig:
+    """Every engine option, checked once, in one place (as nano-vllm's `Config`)."""
+
+    block_size: int = 16  # tokens per KV block
+    # what sizes the KV pool, at most one of: a block count, a byte budget, a share of free GPU memory. None
+    # of them: 0.9 of free memory on a GPU; on a CPU room for 8 sequences of max_model_len (at most 1 GiB)
+    num_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float | None = None
+    max_model_len: int | None = None  # the longest prompt + output; None = max_position_embeddings
+    backend: str = "auto"  # decode attention: "auto", "torch", "cupy" or "emulator" (vllmini.attention)
+    policy: str = "paged"  # "paged", "static" or "oracle" (vllmini.scheduler)
+    watermark: float = 0.01  # share of the pool new requests must leave free, so running ones can grow
+    max_num_seqs: int = 256  # the most sequences in one batch (a request with n samples counts n)
+    # the most tokens in one forward; None = max(max_model_len, 2048). Without chunked prefill it must be
+    # >= max_model_len (a prompt is prefilled in one forward); with it, anything >= 1
+    max_num_batched_tokens: int | None = None
+    seed: int = 0  # derives the seed of every request that has none
+    # reuse the KV blocks of a prompt prefix computed before (policy "paged" only). Off by default: with
+    # nothing shared it cost 2-4% tokens/s on an H200 (benchmarks/RESULTS.md)
+    enable_prefix_caching: bool = False
+    # split prompts over several steps so a step never exceeds max_num_batched_tokens: running decodes go
+    # first, prefills take chunks of what is left (vLLM's chunked prefill; Agrawal et al., Sarathi, 2023).
+    # On by default: it cost no throughput on an H200 (benchmarks/RESULTS.md)
+    enable_chunked_prefill: bool = True
+    # replay decode-only steps from CUDA graphs captured at start-up, one per padded batch size 1, 2, 4, 8,
+    # 16, 24, ... max_cuda_graph_batch_size (vllmini.model_runner); prefill/mixed steps and larger batches
+    # run eagerly. None: on for a CUDA model with backend "cupy" or "torch", off on the CPU (True raises)
+    use_cuda_graphs: bool | None = None
+    max_cuda_graph_batch_size: int = 256  # the largest decode batch replayed from a graph (at most 512)
+
+    def __post_init__(self):
+        self.block_size = as_block_size(self.block_size)
+        for name in ("num_blocks", "kv_cache_memory", "max_model_len", "max_num_batched_tokens"):
+            if getattr(self, name) is not None:
+                setattr(self, name, as_int(getattr(self, name), name, min=1))
+        if self.gpu_memory_utilization is not None:
+            self.gpu_memory_utilization = as_fraction(
+                self.gpu_memory_utilization, "gpu_memory_utilization", "(0, 1]"
+            )
+        sizing = ("num_blocks", "kv_cache_memory", "gpu_memory_utilization")
+        sizes = [name for name in sizing if getattr(self, name) is not None]
+        if len(sizes) > 1:
+            raise InvalidArgumentError(
+                f"num_blocks, kv_cache_memory and gpu_memory_utilization each size the KV cache: give "
+                f"exactly one of them (or none for the default), got {sizes}"
+            )
+        one_of(self.backend, "backend", BACKENDS)
+        self.watermark = as_fraction(self.watermark, "watermark", "[0, 1)")
+        self.max_num_seqs = as_int(self.max_num_seqs, "max_num_seqs", min=1)
+        self.seed = as_int(self.seed, "seed")
+        self.enable_prefix_caching = as_bool(self.enable_prefix_caching, "enable_prefix_caching")
+        check_policy(self.policy, self.enable_prefix_caching)
+        self.enable_chunked_prefill = as_bool(self.enable_chunked_prefill, "enable_chunked_prefill")
+        if self.use_cuda_graphs is not None:
+            self.use_cuda_graphs = as_bool(self.use_cuda_graphs, "use_cuda_graphs")
+        self.max_cuda_graph_batch_size = as_int(
+            self.max_cuda_graph_batch_size, "max_cuda_graph_batch_size", min=1, max=512
+        )
+        if self.max_model_len is not None:
+            self.check_batched_tokens(self.max_model_len)
+
+    def check_batched_tokens(self, max_model_len: int) -> None:
+        """Without chunked prefill, max_num_batched_tokens must hold a whole prompt of max_model_len."""
+        batched = self.max_num_batched_tokens
+        if not self.enable_chunked_prefill and batched is not None and batched < max_model_len:
+            raise InvalidArgumentError(
+                f"max_num_batched_tokens={batched} is smaller than max_model_len={max_model_len}: a "
+                f"whole prompt must fit in one forward (or set enable_chunked_prefill=True)"
+            )
+
+
+def make_config(config: EngineConfig | None, kwargs: dict) -> EngineConfig:
+    """`config` (default EngineConfig()) with `kwargs` replacing its fields; checked."""
+    if config is None:
+        config = EngineConfig()
+    elif not isinstance(config, EngineConfig):
+        raise InvalidTypeError(f"config must be an EngineConfig or None, got {type(config).__name__}")
+    names = {f.name for f in fields(EngineConfig)}
+    unknown = sorted(set(kwargs) - names)
+    if unknown:
+        raise InvalidTypeError(f"unknown engine option(s) {unknown}; EngineConfig has {sorted(names)}")
+    return replace(config, **kwargs)  # runs __post_init__: every field checked again
+
+
+# -----------------------------------------------------------------------------
+# Ctrl-C at a safe moment: a step is all-or-nothing, so a KeyboardInterrupt may roll a step back but must
+# not land half-way through its commit
+
+
+class DeferSigint:
+    """Within `with`: Ctrl-C raises KeyboardInterrupt as usual until `hold()`; after that it is only
+    recorded in `.interrupted`, for the caller to act on once the critical part is done."""
+
+    def __init__(self, hold: bool = False):
+        self.holding, self.interrupted = hold, False
+        self._previous = None
+
+    def hold(self) -> None:
+        self.holding = True
+
+    def _handler(self, signum, frame):
+        if self.holding:
+            self.interrupted = True
+        elif self._previous is not signal.SIG_IGN:
+            self.holding = True  # a second Ctrl-C must not interrupt the rollback of the first
+            if callable(self._previous):
+                self._previous(signum, frame)  # Python's default handler raises KeyboardInterrupt
+            else:
+                raise KeyboardInterrupt
+
+    def __enter__(self) -> DeferSigint:
+        if threading.current_thread() is threading.main_thread():  # only it receives signals
+            previous = signal.signal(signal.SIGINT, self._handler)
+            self._previous = signal.SIG_DFL if previous is None else previous  # None: set outside Python
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+# -----------------------------------------------------------------------------
+# the engine
 
 
 class LLMEngine:
@@ -66,24 +191,22 @@ class LLMEngine:
                 f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={max_pos}"
             )
         config.check_batched_tokens(max_model_len)
-        batched = config.max_num_batched_tokens or max(max_model_len, 2048)
-        self.config = replace(config, max_model_len=max_model_len, max_num_batched_tokens=batched)
+        config = replace(config, max_model_len=max_model_len)
         self.model, self.policy, self.max_model_len = model, config.policy, max_model_len
         self.device, self.seed = model.device, config.seed
-        self.runner = ModelRunner(model, self.config)  # the KV cache, the attention backend, the graphs
-        runner = self.runner
+        self.runner = runner = ModelRunner(model, config)  # the KV cache, the attention backend, the graphs
         self.kv_cache, self.backend, self.graphs = runner.kv_cache, runner.backend, runner.graphs
-        self.scheduler = Scheduler(
-            self.kv_cache.num_blocks,
-            config.block_size,
-            max_model_len,
-            policy=config.policy,
-            watermark=config.watermark,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=batched,
-            enable_prefix_caching=config.enable_prefix_caching,
-            enable_chunked_prefill=config.enable_chunked_prefill,
+        options = (
+            "policy watermark max_num_seqs max_num_batched_tokens enable_prefix_caching "
+            "enable_chunked_prefill"
         )
+        self.scheduler = Scheduler(
+            runner.kv_cache.num_blocks, config.block_size, max_model_len,
+            **{name: getattr(config, name) for name in options.split()},
+        )  # fmt: skip
+        # the options as run: max_num_batched_tokens as the scheduler resolved it
+        batched = self.scheduler.max_num_batched_tokens
+        self.config = self.runner.config = replace(config, max_num_batched_tokens=batched)
         self.tokenizer = model.tokenizer
         self.inputs = InputProcessor(self.tokenizer, model.config.vocab_size)
         self.outputs = OutputProcessor(self.tokenizer, set(model.eos_token_ids))
@@ -269,11 +392,7 @@ class LLMEngine:
                 num_finished=finished,
                 seconds=time.perf_counter() - t0,
                 num_copies=copies,
-                num_prefill_tokens=out.num_prefill_tokens,
-                num_lookup_tokens=out.num_lookup_tokens,
-                num_hit_tokens=out.num_hit_tokens,
-                num_lookup_blocks=out.num_lookup_blocks,
-                num_hit_blocks=out.num_hit_blocks,
+                **{name: getattr(out, name) for name in SchedulerOutput.COUNTS},  # prefill and prefix-cache
                 **usage,
             )
         )

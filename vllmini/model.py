@@ -8,15 +8,21 @@ from many sequences at once, `input_ids [num_tokens]` and `positions [num_tokens
 which pages each sequence reads (`block_tables`, `seq_lens`). Prefill sequences come first (each several
 new tokens, `paged_prefill_attention`), decode sequences after (one new token each, `paged_attention`),
 so a step that mixes both is still one forward. The forward returns the logits of each sequence's last
-token. Weights load from a Hugging Face checkpoint or a `transformers` model (vllmini.loader).
+token. Weights load from a Hugging Face directory (config.json + safetensors, single file or sharded;
+tokenizer.json and generation_config.json when present) or an in-memory `transformers` model; nothing is
+downloaded, and every missing or damaged file is a CheckpointError (CheckpointNotFoundError when absent)
+that names it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import os
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -24,16 +30,13 @@ import torch.nn.functional as F
 
 from vllmini.attention import (
     AttentionMetadata,
-    check_block_tables,
     guarded_by_default,
     paged_attention,
     paged_prefill_attention,
-    to_device,  # noqa: F401 (re-exported, as AttentionMetadata is)
 )
 from vllmini.checks import as_float, as_int, one_of
-from vllmini.errors import CheckpointError, InvalidArgumentError, InvalidTypeError
-from vllmini.kv_cache import check_slot_mapping, reshape_and_cache
-from vllmini.loader import as_dict, load_hf_state_dict, read_checkpoint, read_checkpoint_file, read_json
+from vllmini.errors import CheckpointError, CheckpointNotFoundError, InvalidArgumentError, InvalidTypeError
+from vllmini.kv_cache import reshape_and_cache
 
 ROPE_KEYS = {  # rope type -> what it reads from its scaling dict
     "default": (),
@@ -184,7 +187,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
 
-    def forward(self, x, cos, sin, key_cache, value_cache, meta: AttentionMetadata, backend: str):
+    def forward(self, x, cos, sin, key_cache, value_cache, meta: AttentionMetadata, backend: str, validate):
         T = x.shape[0]
         q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # (T, nh, hd)
         k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # (T, nkv, hd)
@@ -216,8 +219,7 @@ class Attention(nn.Module):
                 meta.block_tables[num_prefills:],
                 meta.seq_lens[num_prefills:],
                 backend=backend,
-                # the model checked the tables on the host this forward, or the kernel's guard checks them
-                validate="guard" if guarded_by_default(backend, q.device, q.dtype) else False,
+                validate=validate,  # "guard", or False: the model checked the tables (check_metadata)
             )  # (T - split, nh, hd)
             if out is None:
                 out = decoded
@@ -248,8 +250,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, key_cache, value_cache, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, key_cache, value_cache, meta, backend)
+    def forward(self, x, cos, sin, key_cache, value_cache, meta, backend, validate):
+        h = self.input_layernorm(x)
+        x = x + self.self_attn(h, cos, sin, key_cache, value_cache, meta, backend, validate)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -303,30 +306,36 @@ class LlamaModel(nn.Module):
                 f"{tuple(input_ids.shape)} and {tuple(positions.shape)}"
             )
         self._check_cache(kv_cache)
-        # Check where this step writes and reads ONCE, on the host, for all layers: each layer's
-        # reshape_and_cache and paged_attention then skip their own checks (a host sync each).
-        num_blocks, block_size = kv_cache.key_caches[0].shape[:2]
         if meta.slot_mapping.shape != input_ids.shape:
             raise InvalidArgumentError(
                 f"meta.slot_mapping must be [num_tokens] = [{input_ids.shape[0]}], "
                 f"got {tuple(meta.slot_mapping.shape)}"
             )
-        guarded = guarded_by_default(backend, input_ids.device, kv_cache.key_caches[0].dtype)
-        if not meta.host_checked:
-            check_slot_mapping(meta.slot_mapping, num_blocks * block_size, allow_padding=False)
-        if meta.num_decodes and not guarded and not meta.host_checked:
-            decodes = slice(meta.num_prefills, None)  # (with the guard: no sync here; the engine checks)
-            check_block_tables(meta.block_tables[decodes], meta.seq_lens[decodes], num_blocks, block_size)
+        meta, validate = self.check_metadata(meta, kv_cache, backend)
         x = self.embed_tokens(input_ids)  # (T, hidden)
         self.inv_freq = self.inv_freq.to(positions.device)  # the same tensor when already there
         angles = positions.float()[:, None] * self.inv_freq[None, :]  # (T, hd/2), float32 as in Llama
         angles = torch.cat((angles, angles), dim=-1)  # (T, hd)
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache.key_caches[i], kv_cache.value_caches[i], meta, backend)
+            x = layer(x, cos, sin, kv_cache.key_caches[i], kv_cache.value_caches[i], meta, backend, validate)
         if not all_logits:
             x = x[meta.last_token_indices]  # (num_seqs, hidden)
         return self.lm_head(self.norm(x))
+
+    def check_metadata(
+        self, meta: AttentionMetadata, kv_cache, backend: str
+    ) -> tuple[AttentionMetadata, str | bool]:
+        """Check where a step writes and reads ONCE, for all layers (each layer's reshape_and_cache and
+        paged_attention then skip their own checks, a host sync each on a GPU): the slots, and the decode
+        rows' tables unless the kernels' in-kernel guard checks them. Returns `meta` (a checked copy, unless
+        it was checked already: the engine checks on the host, then moves it) and the `validate` every
+        layer's paged_attention gets: "guard", or False (checked here)."""
+        guarded = guarded_by_default(backend, self.device, self.dtype)
+        if not meta.host_checked:
+            meta = dataclasses.replace(meta)
+            meta.check_on_host(*kv_cache.key_caches[0].shape[:2], tables=not guarded)
+        return meta, "guard" if guarded else False
 
     def _check_cache(self, kv_cache) -> None:
         config, shape = self.config, kv_cache.key_caches[0].shape
@@ -350,10 +359,10 @@ class LlamaModel(nn.Module):
         """From a checkpoint directory (config.json + model.safetensors or a sharded
         model.safetensors.index.json; tokenizer.json and generation_config.json when present) or
         from an in-memory transformers LlamaForCausalLM (whose tensors are shared, not copied, when
-        dtype and device already match). dtype defaults to the stored weights'. (vllmini.loader)"""
+        dtype and device already match). dtype defaults to the stored weights'."""
         if dtype is not None and dtype not in DTYPES:
             raise InvalidTypeError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-        ckpt = read_checkpoint(path_or_hf_model, LlamaConfig.from_dict)
+        ckpt = read_checkpoint(path_or_hf_model)
         state, where = ckpt.state, ckpt.where
         embed = state.get("model.embed_tokens.weight", state.get("embed_tokens.weight"))  # prefix optional
         if embed is None:
@@ -370,3 +379,118 @@ class LlamaModel(nn.Module):
         if eos is not None:
             model.eos_token_ids = tuple(eos if isinstance(eos, list) else [eos])
         return model.eval()
+
+
+# -----------------------------------------------------------------------------
+# reading a checkpoint
+
+
+class Checkpoint(NamedTuple):
+    """What a checkpoint holds, read but not yet placed in a model."""
+
+    config: LlamaConfig
+    state: dict  # Hugging Face tensor name -> tensor
+    tokenizer: object  # a tokenizers.Tokenizer, or None
+    generation: dict  # generation_config.json (eos_token_id, ...), {} if none
+    where: str  # names the checkpoint in error messages
+    device: torch.device | None  # an in-memory model's device (None for a directory)
+
+
+def as_dict(value, name: str) -> dict:
+    """`value` if it is a dict, {} for None."""
+    if value is not None and not isinstance(value, dict):
+        raise InvalidTypeError(f"{name} must be a JSON object (a dict), got {value!r}")
+    return value or {}
+
+
+def read_json(file: Path) -> dict:
+    """A JSON file that must hold an object."""
+    return as_dict(json.loads(file.read_text()), file.name)
+
+
+def read_checkpoint_file(file: Path, read):
+    """read(file), with a missing or damaged file reported as a CheckpointError that names it."""
+    if not file.is_file():
+        raise CheckpointNotFoundError(f"no {file.name} in {str(file.parent)!r}")
+    try:
+        return read(file)
+    except Exception as e:  # json, safetensors and tokenizers each raise their own kind; name the file
+        raise CheckpointError(f"bad checkpoint file {str(file)!r}: {e}") from e
+
+
+def read_checkpoint(path_or_hf_model) -> Checkpoint:
+    """Read a checkpoint directory or an in-memory transformers model (a parse error in config.json names
+    that file)."""
+    tokenizer, gen, device = None, {}, None
+    if isinstance(path_or_hf_model, (str, os.PathLike)):
+        root = Path(path_or_hf_model)
+        if not root.is_dir():
+            raise CheckpointNotFoundError(f"no checkpoint directory {str(root)!r}")
+        where = f"checkpoint {str(root)!r}"
+        config = LlamaConfig.from_pretrained(root)
+        state = load_safetensors(root)
+        if (root / "tokenizer.json").is_file():
+            from tokenizers import Tokenizer
+
+            tokenizer = read_checkpoint_file(root / "tokenizer.json", lambda f: Tokenizer.from_file(str(f)))
+        if (root / "generation_config.json").is_file():
+            gen = read_checkpoint_file(root / "generation_config.json", read_json)
+    elif hasattr(path_or_hf_model, "state_dict") and hasattr(path_or_hf_model, "config"):
+        where = f"the {type(path_or_hf_model).__name__}"
+        config = LlamaConfig.from_dict(path_or_hf_model.config.to_dict())
+        state = path_or_hf_model.state_dict()
+        generation = getattr(path_or_hf_model, "generation_config", None)
+        gen = {"eos_token_id": getattr(generation, "eos_token_id", None)}
+        device = next(path_or_hf_model.parameters()).device
+    else:
+        raise InvalidTypeError(
+            f"path_or_hf_model must be a directory path or a transformers model, "
+            f"got {type(path_or_hf_model).__name__}"
+        )
+    return Checkpoint(config, state, tokenizer, gen, where, device)
+
+
+def load_safetensors(root: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a single-file or sharded safetensors checkpoint, on the CPU."""
+    from safetensors.torch import load_file
+
+    if (root / "model.safetensors").is_file():
+        return read_checkpoint_file(root / "model.safetensors", load_file)
+    index = root / "model.safetensors.index.json"
+    if not index.is_file():
+        raise CheckpointNotFoundError(
+            f"{str(root)!r} has neither model.safetensors nor model.safetensors.index.json"
+        )
+    weight_map = read_checkpoint_file(index, read_json).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{str(index)!r} has no weight_map object (tensor name -> shard file)")
+    state = {}
+    for shard in sorted(set(weight_map.values())):
+        state.update(read_checkpoint_file(root / shard, load_file))
+    return state
+
+
+def load_hf_state_dict(
+    model: torch.nn.Module, state: dict, dtype: torch.dtype, device: torch.device, where: str
+) -> None:
+    """Place Hugging Face-named tensors (`model.` prefix optional) into `model`, cast to dtype on device;
+    every weight must be there with its shape (a tied lm_head may be absent)."""
+    expected = {n: p.shape for n, p in model.named_parameters()}  # a tied lm_head appears once
+    tensors = {}
+    for key, t in state.items():
+        name = key.removeprefix("model.")
+        if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and name not in expected):
+            continue  # recomputed here / tied to the embedding
+        if name not in expected:
+            raise CheckpointError(f"{where} has weight {key!r}, unexpected for a Llama model")
+        if tuple(t.shape) != tuple(expected[name]):
+            raise CheckpointError(
+                f"{where}: weight {key!r} has shape {tuple(t.shape)}, expected {tuple(expected[name])}"
+            )
+        tensors[name] = t.to(device=device, dtype=dtype)
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise CheckpointError(f"{where} lacks weights {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    model.load_state_dict(tensors, strict=False, assign=True)
+    if model.config.tie_word_embeddings:  # assign=True replaced the parameter: tie again
+        model.lm_head.weight = model.embed_tokens.weight

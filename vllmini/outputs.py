@@ -1,9 +1,17 @@
-"""What the engine returns: a request's output (RequestOutput, with its n CompletionOutputs and their
-Logprobs), and what each step did (StepStats), summed up over a run by sharing_summary."""
+"""Between the user and the engine. What comes in is checked and tokenized (InputProcessor); what goes
+out is a request's output (RequestOutput, with its n CompletionOutputs and their Logprobs), made from its
+sequences by OutputProcessor (why a sequence stops, its text, logprobs and streamed deltas), as vLLM's
+processors and detokenizer do; and what each step did (StepStats), summed up over a run by
+sharing_summary."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from vllmini.checks import as_token_ids
+from vllmini.errors import InvalidArgumentError, InvalidTypeError
+from vllmini.sampling import SamplingParams
+from vllmini.sequence import Sequence, SequenceStatus
 
 
 @dataclass
@@ -116,3 +124,139 @@ def sharing_summary(stats: list[StepStats]) -> dict:
         "copies": total("num_copies"),
         "max_shared_blocks": max((s.shared_blocks for s in stats), default=0),
     }
+
+
+# -----------------------------------------------------------------------------
+# requests in, outputs out
+
+
+STOP_WINDOW = 8  # tokens decoded beyond a stop string's length to look for it (tokens may decode to "")
+
+
+class InputProcessor:
+    """Checks a request's prompt and SamplingParams against the model (vocabulary, tokenizer)."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+
+    def check_params(self, params: SamplingParams | None) -> SamplingParams:
+        """`params` (None: the defaults) if this model can honour them; fails before anything is queued."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise InvalidTypeError(
+                f"params must be a SamplingParams, got {type(params).__name__} {params!r}"
+                + (": use SamplingParams(**params)" if isinstance(params, dict) else "")
+            )
+        if params.stop and self.tokenizer is None:
+            raise InvalidArgumentError(
+                f"SamplingParams(stop={params.stop!r}) needs a tokenizer to see the text (tokenizer.json "
+                f"in the checkpoint); without one, stop on token ids: stop_token_ids=[...]"
+            )
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise InvalidArgumentError(
+                f"logprobs must be <= the vocabulary size {self.vocab_size}, got {params.logprobs}"
+            )
+        return params
+
+    def encode(self, prompt) -> list[int]:
+        """Token ids of one prompt: a str (needs a tokenizer), or ids as a list or a 1-D int tensor/array."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidTypeError(
+                    "string prompts need a tokenizer (tokenizer.json in the checkpoint); pass token ids"
+                )
+            ids = self.tokenizer.encode(prompt).ids
+        elif isinstance(prompt, (bytes, bytearray)):
+            raise InvalidTypeError(
+                f"a prompt must be a str or token ids, got bytes {prompt[:20]!r}: decode it first"
+            )
+        else:
+            ids = as_token_ids(prompt, "prompt")
+        if not ids:
+            raise InvalidArgumentError("the prompt is empty: it needs at least one token")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidArgumentError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        return ids
+
+
+class OutputProcessor:
+    """Turns sequences into what the user sees (vLLM's OutputProcessor and Detokenizer): why a sequence
+    stops (stop token, EOS, stop string, length), its text, its logprobs, streamed deltas."""
+
+    def __init__(self, tokenizer, eos_token_ids: set[int]):
+        self.tokenizer, self.eos_token_ids = tokenizer, eos_token_ids
+
+    def finish_reason(self, seq: Sequence, token: int) -> str | None:
+        """Why `seq` stops after appending `token` ("stop", "length"), or None. Sets its stop_reason,
+        and for a stop string where its text ends."""
+        p = seq.sampling_params
+        if token in p.stop_token_ids:
+            seq.stop_reason = token
+            return "stop"
+        if not p.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        if p.stop:
+            # a stop string not seen before ends in the new token: decoding the last few tokens finds it
+            # (the whole text is decoded once, when it is found, to cut it there)
+            tail = self._text(seq.output_token_ids[-(max(map(len, p.stop)) + STOP_WINDOW) :])
+            if any(x in tail for x in p.stop):
+                text = self._text(seq.output_token_ids)
+                found = [(i, x) for x in p.stop if (i := text.find(x)) >= 0]
+                if found:  # (a tail decoded alone may differ from the whole text at its start)
+                    seq.text_end, seq.stop_reason = min(found)
+                    return "stop"
+        if len(seq.output_token_ids) >= seq.max_tokens:
+            return "length"
+        return None
+
+    def _text(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _token_text(self, token_id: int) -> str | None:
+        return (
+            None if self.tokenizer is None else self.tokenizer.decode([token_id], skip_special_tokens=False)
+        )
+
+    def completion(self, seq: Sequence) -> CompletionOutput:
+        """What to return of one sample: everything, or (output_kind "delta") what is new since the
+        last time. While it runs, text that may be the start of a stop string is held back."""
+        p, ids = seq.sampling_params, seq.output_token_ids
+        text = None
+        if self.tokenizer is not None:
+            text = self._text(ids)[: seq.text_end]
+            if seq.status is not SequenceStatus.FINISHED:
+                hold = max(map(len, p.stop), default=1) - 1  # the start of a stop string
+                text = text[: len(text) - hold].rstrip("\ufffd")  # and half a multi-byte character
+        logprobs = None
+        if p.logprobs is not None:
+            logprobs = [
+                {t: Logprob(lp, rank, self._token_text(t)) for t, (lp, rank) in e.items()}
+                for e in seq.output_logprobs
+            ]
+        if p.output_kind == "delta":
+            num_tokens, num_chars = seq.num_streamed
+            seq.num_streamed = (len(ids), num_chars if text is None else len(text))
+            ids = ids[num_tokens:]
+            text = None if text is None else text[num_chars:]
+            logprobs = None if logprobs is None else logprobs[num_tokens:]
+        return CompletionOutput(
+            seq.index, list(ids), text, seq.finish_reason, seq.error, logprobs, seq.stop_reason
+        )
+
+    def output(self, seq: Sequence) -> RequestOutput:
+        """The RequestOutput of `seq`'s request: all its samples (finished, or so far while it streams)."""
+        finished = all(s.status is SequenceStatus.FINISHED for s in seq.group)
+        outputs = [self.completion(s) for s in sorted(seq.group, key=lambda s: s.index)]
+        first = outputs[0]
+        return RequestOutput(
+            seq.request_id,
+            list(seq.prompt_token_ids),
+            first.token_ids,
+            first.text,
+            first.finish_reason,
+            first.error,
+            outputs,
+            finished,
+            first.logprobs,
+        )

@@ -14,7 +14,9 @@ the shared, partly filled last block before writing into it (copy-on-write). Rea
 they share the first one's whole blocks as far as their tokens agree. With prefix caching, an admitted
 sequence starts on the longest cached prefix of its tokens. Either way a prefill computes tokens
 [num_computed_tokens, num_tokens): it may start at k > 0. With enable_chunked_prefill, prompts take chunks
-of what the decodes leave of max_num_batched_tokens (vllmini/chunked_prefill.py).
+of what the decodes leave of max_num_batched_tokens (`schedule_chunks`): running decodes get their token
+first, then sequences still prefilling, oldest first, then newly admitted ones. A request is admitted with
+blocks for all its tokens, so chunks never allocate or preempt.
 
 A step can be undone: `snapshot()` before `schedule()` and `restore()` after a failed forward put back
 every allocation, append and preemption, so the next `schedule()` makes the same batch again. A sequence
@@ -32,13 +34,10 @@ from __future__ import annotations
 from collections import deque
 from itertools import islice
 
-from vllmini import chunked_prefill
 from vllmini.block_manager import BlockManager
-from vllmini.checks import as_bool, as_fraction, as_int, cdiv, one_of
+from vllmini.checks import as_block_size, as_bool, as_fraction, as_int, cdiv, one_of
 from vllmini.errors import EngineStateError, InvalidArgumentError
 from vllmini.sequence import SchedulerOutput, Sequence, SequenceStatus, as_group
-
-__all__ = ["POLICIES", "Scheduler", "SchedulerOutput", "Sequence", "SequenceStatus", "check_policy"]
 
 POLICIES = ("paged", "static", "oracle")
 
@@ -70,7 +69,7 @@ class Scheduler:
         enable_prefix_caching = as_bool(enable_prefix_caching, "enable_prefix_caching")
         check_policy(policy, enable_prefix_caching)
         num_blocks = as_int(num_blocks, "num_blocks", min=1)
-        block_size = as_int(block_size, "block_size", min=1)
+        block_size = as_block_size(block_size)
         max_model_len = as_int(max_model_len, "max_model_len", min=1)
         max_num_seqs = as_int(max_num_seqs, "max_num_seqs", min=1)
         watermark = as_fraction(watermark, "watermark", "[0, 1)")
@@ -290,7 +289,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens - len(out.decodes)
         if chunked:
             running_prefills = [s for s in self.running if s.is_prefilling]
-            budget = chunked_prefill.schedule_chunks(running_prefills, budget, out)
+            budget = schedule_chunks(running_prefills, budget, out)
         while self.waiting and not out.preempted:
             head = self.waiting[0]
             group = [s for s in head.group if s.status is SequenceStatus.WAITING]
@@ -306,7 +305,7 @@ class Scheduler:
             self._admit(group, hits, shares, out)
             if chunked:
                 del out.prefills[num_prefills:], out.forked[num_forked:]  # the chunks decide what runs
-                budget = chunked_prefill.schedule_chunks(group, budget, out)
+                budget = schedule_chunks(group, budget, out)
             else:
                 budget -= tokens
 
@@ -384,5 +383,44 @@ class Scheduler:
         has reached yet (chunked prefill) hold nothing."""
         usage = self.block_manager.usage(sum(s.num_tokens for s in self.running))
         if out is not None and self.enable_chunked_prefill:
-            usage["num_tokens"] -= chunked_prefill.unreached_slots(self.running, out)
+            usage["num_tokens"] -= unreached_slots(self.running, out)
         return usage
+
+
+# -----------------------------------------------------------------------------
+# chunked prefill
+
+
+def schedule_chunks(seqs: list[Sequence], budget: int, out: SchedulerOutput) -> int:
+    """Give each of `seqs` (admitted, still prefilling, oldest first) its next chunk while `budget` tokens
+    last; returns what is left. A sample that forks its first sample (same tokens) computes nothing: it
+    samples from the first's logits in the step its prefill completes. One that shares the first's blocks
+    reads them only once they are computed: the first comes before it, and a chunk goes to a later
+    sequence only when the earlier ones got all they need (this step counts: a forward writes every K/V
+    of a layer before any attention reads it)."""
+    for seq in seqs:
+        parent = seq.prefill_parent
+        parent_end = None if parent is None else out.chunk_ends.get(parent.seq_id, parent.num_computed_tokens)
+        if parent is not None and seq.token_ids == parent.token_ids:
+            if parent_end == parent.num_tokens and any(p is parent for p in out.prefills):
+                out.forked.append((seq, parent))
+            continue
+        if budget < 1:
+            continue  # forks of a parent scheduled above still join
+        assert parent_end is None or parent_end >= seq.num_computed_tokens, "shared blocks computed"
+        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        out.prefills.append(seq)
+        out.chunk_ends[seq.seq_id] = seq.num_computed_tokens + n
+        budget -= n
+    return budget
+
+
+def unreached_slots(running: list[Sequence], out: SchedulerOutput) -> int:
+    """Slots allocated for prompt tokens of the `running` sequences that no chunk has reached by the end
+    of the step `out` (a forked sample's are its first sample's)."""
+    return sum(
+        s.prefill_target - out.chunk_ends.get(s.seq_id, s.num_computed_tokens)
+        for s in running
+        if s.is_prefilling
+        and not (s.prefill_parent is not None and s.token_ids == s.prefill_parent.token_ids)
+    )
