@@ -27,7 +27,9 @@ def lines(path: Path) -> int:
 
 def sizes() -> dict[str, dict[str, int]]:
     """part -> {file relative to the repository: lines}."""
-    return {part: {p.relative_to(ROOT).as_posix(): lines(p) for p in files()} for part, files in PARTS.items()}
+    return {
+        part: {p.relative_to(ROOT).as_posix(): lines(p) for p in files()} for part, files in PARTS.items()
+    }
 
 
 def main() -> None:
