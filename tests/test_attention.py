@@ -23,7 +23,6 @@ import vllmini
 from vllmini import cuda_kernels
 from vllmini.attention import (
     BACKENDS,
-    check_kernel_errors,
     cupy_usable,
     paged_attention,
     paged_prefill_attention,
@@ -453,9 +452,8 @@ def test_kernel_backends_get_normalized_inputs_and_preallocated_out(monkeypatch)
     """The contract with vllmini.cuda_kernels.launch_paged_attention."""
     seen = {}
 
-    def fake_kernel(
-        query, key_cache, value_cache, block_tables, seq_lens, scale, out, runtime, version, **kw
-    ):
+    def fake_kernel(inputs, scale, out, runtime, version, error):
+        query, key_cache, value_cache, block_tables, seq_lens = inputs
         seen.update(locals())
         return out.copy_(
             paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, backend="torch")
@@ -470,7 +468,7 @@ def test_kernel_backends_get_normalized_inputs_and_preallocated_out(monkeypatch)
     assert seen["block_tables"].dtype == torch.int32 and seen["seq_lens"].dtype == torch.int32
     assert all(seen[k].is_contiguous() for k in (*DECODE_KEYS, "out"))
     assert seen["scale"] == 64**-0.5
-    assert seen["version"].number == 5 and seen["kw"]["error"] is None  # CPU: host check, no guard
+    assert seen["version"].number == 5 and seen["error"] is None  # CPU: host check, no guard
     assert_close(out, reference_decode(case))
 
 
@@ -524,7 +522,7 @@ def test_out_of_range_pages_and_prefill_errors_on_cuda():
         with pytest.raises(
             InvalidBlockTableError, match=r"block_tables\[1, 1\] = 2147483647 is not a block id"
         ):
-            check_kernel_errors()
+            cuda_kernels.check_kernel_errors()
     case = make_prefill_case(16, 4, 2, 64, 8, (9, 12), (3, 12), device="cuda")
     case["query_start_loc"] = torch.tensor([0, 10, 15], dtype=torch.int32, device="cuda")
     with pytest.raises(ValueError, match=r"sequence 0 has 10 query .* seq_lens\[0\] = 9"):

@@ -23,7 +23,8 @@ from attention_cases import (
 )
 
 from vllmini import cuda_kernels
-from vllmini.attention import check_kernel_errors, kernel_error_buffer, paged_attention
+from vllmini.attention import paged_attention
+from vllmini.cuda_kernels import check_kernel_errors, kernel_error_buffer
 from vllmini.errors import (
     InvalidArgumentError,
     InvalidBlockTableError,

@@ -114,7 +114,7 @@ def test_code_is_ruff_clean():
     assert check.returncode == 0, check.stdout + check.stderr
 
 
-MAX_MODULE_LINES = 410  # "about 400"
+MAX_MODULE_LINES = 600  # issue 21: one module per concept, at most 600 lines
 MAX_FUNCTION_LINES = 60  # longer only with a `# long: <why>` comment on the line above the def
 
 

@@ -16,13 +16,12 @@ seq_lens -- values that live on the device -- are checked in one of three ways (
                      is recorded in a device-side buffer. No sync: `check_kernel_errors()` reads the buffer
                      (one sync) and raises InvalidBlockTableError; the engine calls it once per step.
     "trust"  (False) no check at all, for a caller that checked these tables already (check_block_tables).
-`guarded_by_default` is the one place that picks between "host" and "guard" when validate is None.
-Backends: "torch" gathers the pages and runs `scaled_dot_product_attention`; "cupy" (a CUDA kernel on
-a GPU) and "emulator" (the same CUDA source on the CPU) launch `vllmini.cuda_kernels`, and
-`kernel_version=` picks one of its versions (None: the best). "auto" is "cupy" for CUDA tensors of a
-dtype the kernels take (kv_cache.FLOAT_DTYPES) when CuPy works, else "torch"; never the emulator. Index
-tensors may be int32 (vLLM's choice) or int64; padding entries of block_tables (past a sequence's
-length) are never read, whatever they hold (-1, garbage).
+validate=None picks "guard" or "host" in one place, `guarded_by_default`. Backends: "torch" gathers the
+pages and runs `scaled_dot_product_attention`; "cupy" (a CUDA kernel on a GPU) and "emulator" (the same
+source on the CPU) launch one of `vllmini.cuda_kernels`' versions (`kernel_version=`, None: the best).
+"auto" is "cupy" for CUDA tensors of a dtype the kernels take (FLOAT_DTYPES) when CuPy works, else
+"torch"; never the emulator. Index tensors may be int32 (vLLM's choice) or int64; padding entries of
+block_tables (past a sequence's length) are never read, whatever they hold (-1, garbage).
 """
 
 from __future__ import annotations
@@ -49,8 +48,6 @@ VALIDATE_MODES = (
     "trust",
 )  # validate= also takes None (auto), True ("host"), False ("trust")
 INDEX_DTYPES = (torch.int32, torch.int64)
-ERROR_FIELDS = 5  # the guard's record: flag, sequence, table entry (-1: seq_lens), value, limit
-_error_buffers: dict[torch.device, torch.Tensor] = {}  # device -> int32 [ERROR_FIELDS], zero when clean
 
 
 class DecodeArgs(NamedTuple):
@@ -78,8 +75,8 @@ class PrefillArgs(NamedTuple):
     scale: float
     max_seq_len: int
     max_query_len: int
-    host_seq_lens: np.ndarray  # (num_seqs,) int64: seq_lens on the host (from the check)
-    host_query_start_loc: np.ndarray  # (num_seqs + 1,) int64
+    lens_host: np.ndarray  # (num_seqs,) int64: seq_lens on the host (from the check)
+    starts_host: np.ndarray  # (num_seqs + 1,) int64
 
 
 # ----------------------------------------------------------------------------- validation
@@ -96,7 +93,9 @@ def _check_index_tensor(name: str, t, shape_desc: str, ndim: int, device: torch.
         raise InvalidArgumentError(f"{name} is on {t.device} but the caches are on {device}")
 
 
-def _check_query(query, key_cache: torch.Tensor, what: str) -> None:
+def _check_query(query, key_cache, value_cache, scale, what: str) -> float:
+    """The caches, the query against them, and the scale (None: 1/sqrt(head_size)), which it returns."""
+    check_cache_pair(key_cache, value_cache)
     if not isinstance(query, torch.Tensor):
         raise InvalidTypeError(f"query must be a torch.Tensor, got {type(query).__name__}")
     num_kv_heads, head_size = key_cache.shape[2], key_cache.shape[3]
@@ -117,9 +116,6 @@ def _check_query(query, key_cache: torch.Tensor, what: str) -> None:
         raise InvalidArgumentError(
             f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})"
         )
-
-
-def _check_scale(scale, head_size: int) -> float:
     return head_size**-0.5 if scale is None else as_float(scale, "scale")
 
 
@@ -207,17 +203,12 @@ def _check_table_shapes(key_cache: torch.Tensor, block_tables, seq_lens, num_seq
     return num_seqs
 
 
-def _int32(t: torch.Tensor) -> torch.Tensor:
-    """Contiguous int32 (free when it already is). int64 values outside int32 are clamped, not wrapped,
-    so an id like 2**40 stays out of range for the in-kernel guard instead of becoming a valid id."""
-    if t.dtype == torch.int64:
-        t = t.clamp(-(2**31), 2**31 - 1)
-    return t.to(torch.int32).contiguous()
-
-
 def _normalize(query, key_cache, value_cache, *indices) -> tuple[torch.Tensor, ...]:
-    """query and the caches contiguous (a strided cache is copied whole), the index tensors `_int32`."""
-    return (query.contiguous(), key_cache.contiguous(), value_cache.contiguous(), *map(_int32, indices))
+    """query and the caches contiguous (a strided cache is copied whole), the index tensors contiguous
+    int32: int64 values outside int32 are clamped, not wrapped, so an id like 2**40 stays out of range for
+    the in-kernel guard instead of becoming a valid id."""
+    ints = (t.clamp(-(2**31), 2**31 - 1).int() if t.dtype == torch.int64 else t.int() for t in indices)
+    return tuple(t.contiguous() for t in (query, key_cache, value_cache, *ints))
 
 
 def validate_decode_args(
@@ -236,9 +227,7 @@ def validate_decode_args(
     int32 block_tables/seq_lens, the resolved scale and max(seq_lens). The table checks run on the
     host: CUDA tables cost one device->host copy (one sync), CPU tables none. check_tables=False leaves
     the tables' values unchecked (the guard checks them, or the caller did)."""
-    check_cache_pair(key_cache, value_cache)
-    _check_query(query, key_cache, "num_seqs")
-    scale = _check_scale(scale, key_cache.shape[3])
+    scale = _check_query(query, key_cache, value_cache, scale, "num_seqs")
     _check_table_shapes(key_cache, block_tables, seq_lens, query.shape[0])
     tensors = _normalize(query, key_cache, value_cache, block_tables, seq_lens)
     args = DecodeArgs(*tensors, scale, block_tables.shape[1] * key_cache.shape[1], 0)
@@ -265,9 +254,7 @@ def validate_prefill_args(
 ) -> PrefillArgs:
     """Like `validate_decode_args`, plus query_start_loc: starts at 0, ends at num_tokens, and each
     sequence has 1 .. seq_len new tokens (its last ones). One device->host copy for all three."""
-    check_cache_pair(key_cache, value_cache)
-    _check_query(query, key_cache, "num_tokens")
-    scale = _check_scale(scale, key_cache.shape[3])
+    scale = _check_query(query, key_cache, value_cache, scale, "num_tokens")
     num_seqs = _check_table_shapes(key_cache, block_tables, seq_lens, None)
     _check_index_tensor("query_start_loc", query_start_loc, "[num_seqs + 1]", 1, key_cache.device)
     if query_start_loc.shape != (num_seqs + 1,):
@@ -296,50 +283,6 @@ def validate_prefill_args(
     tensors = _normalize(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
     longest, longest_query = (int(lens.max()), int(q_lens.max())) if num_seqs else (0, 0)
     return PrefillArgs(*tensors, scale, longest, longest_query, lens, starts)
-
-
-# ----------------------------------------------------------------------------- the in-kernel guard's record
-
-
-def _normalize_device(device: torch.device | str) -> torch.device:
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def kernel_error_buffer(device: torch.device | str) -> torch.Tensor:
-    """The int32 [5] buffer the guarded kernels on `device` record their first violation in (made on
-    first use: make one guarded call before capturing a CUDA graph)."""
-    device = _normalize_device(device)
-    if device not in _error_buffers:
-        _error_buffers[device] = torch.zeros(ERROR_FIELDS, dtype=torch.int32, device=device)
-    return _error_buffers[device]
-
-
-def check_kernel_errors(device: torch.device | str | None = None) -> None:
-    """Raise InvalidBlockTableError if a guarded kernel call (validate="guard", the default for CUDA
-    tensors) saw a bad block id or seq_len since the last check; clears the record. One device->host
-    copy (a sync) per device checked: call it once per step (the engine does, before committing a
-    step), not per layer. `device` None checks every device that has a record."""
-    devices = list(_error_buffers) if device is None else [_normalize_device(device)]
-    for d in devices:
-        buf = _error_buffers.get(d)
-        if buf is None:
-            continue
-        flag, seq, entry, value, limit = buf.tolist()
-        if not flag:
-            continue
-        buf.zero_()
-        if entry < 0:
-            raise InvalidBlockTableError(
-                f"seq_lens[{seq}] = {value} is out of range: expected 1 .. max_num_blocks_per_seq * "
-                f"block_size = {limit} (seen on {d} by the in-kernel guard; that sequence's output is NaN)"
-            )
-        raise InvalidBlockTableError(
-            f"block_tables[{seq}, {entry}] = {value} is not a block id in [0, {limit}) (seen on {d} by the "
-            f"in-kernel guard of a paged_attention call since the last check; that sequence's output is NaN)"
-        )
 
 
 # ----------------------------------------------------------------------------- the torch backend
@@ -389,13 +332,7 @@ def _prefill_torch(args: PrefillArgs) -> torch.Tensor:
     padded (S, N) grid, and run one SDPA with a mask that is causal (query row j of sequence s sits at
     position lens[s] - n_s + j, so a chunk that starts at k > 0 works) and cuts each sequence at its length.
     seq_lens and query_start_loc come from the host copies of validation (the indices need no sync)."""
-    q, kc, vc, lens, starts = (
-        args.query,
-        args.key_cache,
-        args.value_cache,
-        args.host_seq_lens,
-        args.host_query_start_loc,
-    )
+    q, kc, vc, lens, starts = args.query, args.key_cache, args.value_cache, args.lens_host, args.starts_host
     num_tokens, num_heads, head_size = q.shape
     block_size, num_kv_heads = kc.shape[1], kc.shape[2]
     group = num_heads // num_kv_heads  # query heads per kv head
@@ -529,8 +466,8 @@ def paged_attention(
     if backend == "torch":
         return _decode_torch(args)
     out = torch.empty_like(args.query)
-    error = kernel_error_buffer(args.query.device) if mode == "guard" else None
-    return cuda_kernels.launch_paged_attention(*args[:5], args.scale, out, backend, version, error=error)
+    error = cuda_kernels.kernel_error_buffer(args.query.device) if mode == "guard" else None
+    return cuda_kernels.launch_paged_attention(args[:5], args.scale, out, backend, version, error)
 
 
 def paged_prefill_attention(

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from vllmini.attention import AttentionMetadata, kernel_error_buffer
+from vllmini.attention import AttentionMetadata
 from vllmini.checks import as_int, cdiv
+from vllmini.cuda_kernels import kernel_error_buffer
 from vllmini.errors import InvalidArgumentError
 
 NUM_FIELDS = 4  # input_ids, positions, slot_mapping, seq_lens; then the block tables

@@ -26,7 +26,13 @@ import numpy as np
 import torch
 
 from vllmini.checks import as_int, cdiv, one_of
-from vllmini.errors import InvalidArgumentError, InvalidTypeError, KernelBuildError, KernelSourceNotFoundError
+from vllmini.errors import (
+    InvalidArgumentError,
+    InvalidBlockTableError,
+    InvalidTypeError,
+    KernelBuildError,
+    KernelSourceNotFoundError,
+)
 from vllmini.kv_cache import FLOAT_DTYPES
 
 RUNTIMES = ("cupy", "emulator")
@@ -43,10 +49,12 @@ EMULATOR_SMS = 4  # the "multiprocessors" launch_plan assumes for the emulator (
 SPLIT_TARGET_BLOCKS_PER_SM = 8  # version 5 splits contexts until the grid has this many blocks per SM
 MIN_SPLIT_TOKENS = 256  # ... but into no piece shorter than this (the merge would cost more than it gains)
 MERGE_THREADS = 128
+ERROR_FIELDS = 5  # the guard's record: flag, sequence, table entry (-1: seq_lens), value, limit
 
 _cupy_modules: dict[tuple[str, int], object] = {}  # (file, device) -> cupy.RawModule
 _cupy_kernels: dict[tuple[str, str, int], object] = {}  # (file, function, device) -> kernel
 _cupy_streams: dict[tuple[int, int], object] = {}  # (device, torch stream handle) -> cupy.ExternalStream
+_error_buffers: dict[torch.device, torch.Tensor] = {}  # device -> int32 [ERROR_FIELDS], zero when clean
 
 
 # ----------------------------------------------------------------------------- finding the sources
@@ -93,7 +101,7 @@ class KernelVersion:
     name: str  # what the version adds, e.g. "half_warps"
     dtypes: tuple[torch.dtype, ...]  # element types it has entry points for
     threads: int  # threads per block
-    guard: bool  # checks page ids in the kernel (the error buffer of vllmini.attention)
+    guard: bool  # checks page ids in the kernel, records the first bad one (kernel_error_buffer)
     summary: str  # one line: what it adds
 
     @property
@@ -104,13 +112,6 @@ class KernelVersion:
     def function(self, dtype: torch.dtype) -> str:
         """The entry point for an element type: the stem, then _f16 / _bf16 for 16-bit types."""
         return self.file + DTYPE_SUFFIX[dtype]
-
-    def available(self) -> bool:
-        """True when its .cu file is present (a version whose file is missing is simply absent)."""
-        try:
-            return (kernel_dir() / f"{self.file}.cu").is_file()
-        except KernelSourceNotFoundError:
-            return False
 
 
 # every version the course has, in order; kernel_versions() keeps those whose file is present
@@ -129,7 +130,11 @@ VERSIONS: tuple[KernelVersion, ...] = (
 
 @functools.cache
 def _present_versions() -> tuple[KernelVersion, ...]:
-    return tuple(v for v in VERSIONS if v.available())  # looked up once: file checks cost ~100 us a call
+    """The versions whose .cu file is present (a missing file: simply absent), looked up once (~100 us)."""
+    try:
+        return tuple(v for v in VERSIONS if (kernel_dir() / f"{v.file}.cu").is_file())
+    except KernelSourceNotFoundError:
+        return ()
 
 
 def kernel_versions() -> dict[int, KernelVersion]:
@@ -357,7 +362,7 @@ def paged_attention_kernel(
     for a version without a guard), then `launch_paged_attention`. Sync-free: nothing is read back from
     the device. runtime "cupy" needs CUDA tensors, "emulator" CPU tensors. `error` turns on the in-kernel
     guard of versions that have one: bad page ids are never read, their rows come out NaN and the first
-    one is recorded in `error` (vllmini.attention.check_kernel_errors); without it the kernel trusts the
+    one is recorded in `error` (see check_kernel_errors); without it the kernel trusts the
     tables. `num_splits` forces version 5's context split (tests); `source` (cupy only) launches another
     text with the same arguments, for benchmarks of variants."""
     kernel = resolve_kernel_version(version, query.dtype)
@@ -392,22 +397,15 @@ def paged_attention_kernel(
             f"kernel version {kernel.number} ({kernel.name}) has no in-kernel guard; pass error=None"
         )
     inputs = (query, key_cache, value_cache, block_tables, seq_lens)
-    return launch_paged_attention(
-        *inputs, scale, out, runtime, kernel, error=error, num_splits=num_splits, source=source
-    )
+    return launch_paged_attention(inputs, scale, out, runtime, kernel, error, num_splits, source)
 
 
 def launch_paged_attention(
-    query: torch.Tensor,  # [num_seqs, num_heads, head_size]
-    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
-    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
-    block_tables: torch.Tensor,  # int32 [num_seqs, max_num_blocks_per_seq]
-    seq_lens: torch.Tensor,  # int32 [num_seqs]
+    inputs: tuple[torch.Tensor, ...],  # (query, key_cache, value_cache, block_tables, seq_lens)
     scale: float,
-    out: torch.Tensor,  # [num_seqs, num_heads, head_size], query's dtype, written
+    out: torch.Tensor,
     runtime: str,
     kernel: KernelVersion,
-    *,
     error: torch.Tensor | None = None,
     num_splits: int | None = None,
     source: str | None = None,
@@ -415,6 +413,7 @@ def launch_paged_attention(
     """`paged_attention_kernel` after its checks, for a caller that made the same ones
     (vllmini.paged_attention). Raises only for the limits of the kernel and the GPU (head size, grid,
     shared memory), which depend on the launch alone and no caller checks."""
+    query, key_cache, value_cache, block_tables, seq_lens = inputs
     assert out.shape == query.shape and out.dtype == query.dtype and (error is None or kernel.guard)
     num_seqs, num_heads, head_size = query.shape
     if kernel.number > 1 and head_size > MAX_HEAD_SIZE:
@@ -508,3 +507,47 @@ def _launch(file, function, runtime, device, grid, block, args, shared_mem, sour
             kernel(grid, block, cargs, shared_mem=shared_mem)
     else:
         _emulator_kernel(file, function)(grid, block, args, shared_mem=shared_mem)
+
+
+# ----------------------------------------------------------------------------- the in-kernel guard's record
+
+
+def _normalize_device(device: torch.device | str) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def kernel_error_buffer(device: torch.device | str) -> torch.Tensor:
+    """The int32 [5] buffer the guarded kernels on `device` record their first violation in (made on
+    first use: make one guarded call before capturing a CUDA graph)."""
+    device = _normalize_device(device)
+    if device not in _error_buffers:
+        _error_buffers[device] = torch.zeros(ERROR_FIELDS, dtype=torch.int32, device=device)
+    return _error_buffers[device]
+
+
+def check_kernel_errors(device: torch.device | str | None = None) -> None:
+    """Raise InvalidBlockTableError if a guarded kernel call (validate="guard", the default for CUDA
+    tensors) saw a bad block id or seq_len since the last check; clears the record. One device->host
+    copy (a sync) per device checked: call it once per step (the engine does, before committing a
+    step), not per layer. `device` None checks every device that has a record."""
+    devices = list(_error_buffers) if device is None else [_normalize_device(device)]
+    for d in devices:
+        buf = _error_buffers.get(d)
+        if buf is None:
+            continue
+        flag, seq, entry, value, limit = buf.tolist()
+        if not flag:
+            continue
+        buf.zero_()
+        if entry < 0:
+            raise InvalidBlockTableError(
+                f"seq_lens[{seq}] = {value} is out of range: expected 1 .. max_num_blocks_per_seq * "
+                f"block_size = {limit} (seen on {d} by the in-kernel guard; that sequence's output is NaN)"
+            )
+        raise InvalidBlockTableError(
+            f"block_tables[{seq}, {entry}] = {value} is not a block id in [0, {limit}) (seen on {d} by the "
+            f"in-kernel guard of a paged_attention call since the last check; that sequence's output is NaN)"
+        )

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from vllmini.attention import AttentionMetadata, check_kernel_errors, guarded_by_default, to_device
+from vllmini.attention import AttentionMetadata, guarded_by_default, to_device
 from vllmini.block_manager import BlockManager
 from vllmini.checks import cdiv
 from vllmini.config import EngineConfig
+from vllmini.cuda_kernels import check_kernel_errors
 from vllmini.errors import InvalidArgumentError
 from vllmini.kv_cache import PagedKVCache
 from vllmini.model import LlamaModel
