@@ -119,7 +119,7 @@ MAX_FUNCTION_LINES = 60  # longer only with a `# long: <why>` comment on the lin
 
 
 def test_modules_and_functions_stay_small():
-    """The package's size rules: no module over about 400 lines, no function over 60 lines (docstring
+    """The package's size rules: no module over 600 lines, no function over 60 lines (docstring
     included) unless a comment says why. The emulator's Python counts too."""
     import ast
 
