@@ -8,13 +8,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from vllmini.cuda_kernels import WARP_SIZE
 from vllmini.errors import InvalidArgumentError
 from vllmini.viz.style import PALETTE, bare
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
-
-WARP_SIZE = 32
 
 
 def draw_cuda_hierarchy(grid: tuple[int, int] = (4, 2), threads: int = 128, figsize=(14, 4.4)) -> Figure:
