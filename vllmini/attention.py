@@ -42,11 +42,8 @@ from vllmini.errors import InvalidArgumentError, InvalidBlockTableError, Invalid
 from vllmini.kv_cache import FLOAT_DTYPES, check_cache_pair, check_slot_mapping
 
 BACKENDS = ("auto", "torch", "cupy", "emulator")
-VALIDATE_MODES = (
-    "host",
-    "guard",
-    "trust",
-)  # validate= also takes None (auto), True ("host"), False ("trust")
+# validate= takes one of these, or None (auto), True ("host"), False ("trust")
+VALIDATE_MODES = ("host", "guard", "trust")
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -219,19 +216,19 @@ def validate_decode_args(
     seq_lens: torch.Tensor,  # (num_seqs,) int32/int64
     scale: float | None = None,
     *,
-    check_tables: bool = True,
+    tables: bool = True,
 ) -> DecodeArgs:
     """Check every decode input (raising ValueError/TypeError that names it) and normalize it.
 
     Returns contiguous copies where needed (a strided cache is copied whole: correct, not fast),
     int32 block_tables/seq_lens, the resolved scale and max(seq_lens). The table checks run on the
-    host: CUDA tables cost one device->host copy (one sync), CPU tables none. check_tables=False leaves
-    the tables' values unchecked (the guard checks them, or the caller did)."""
+    host: CUDA tables cost one device->host copy (one sync), CPU tables none. tables=False leaves the
+    tables' values unchecked (the guard checks them, or the caller did)."""
     scale = _check_query(query, key_cache, value_cache, scale, "num_seqs")
     _check_table_shapes(key_cache, block_tables, seq_lens, query.shape[0])
     tensors = _normalize(query, key_cache, value_cache, block_tables, seq_lens)
     args = DecodeArgs(*tensors, scale, block_tables.shape[1] * key_cache.shape[1], 0)
-    return _with_host_lens(args, block_tables, seq_lens) if check_tables else args
+    return _with_host_lens(args, block_tables, seq_lens) if tables else args
 
 
 def _with_host_lens(args: DecodeArgs, block_tables, seq_lens) -> DecodeArgs:
@@ -401,7 +398,7 @@ def guarded_by_default(
     backend: str,
     device: torch.device,
     dtype: torch.dtype,
-    kernel_version: KernelVersion | int | str | None = None,
+    kernel_version: int | str | KernelVersion | None = None,
 ) -> bool:
     """Who checks the block tables when validate is None (the one place that decides): True when
     paged_attention(..., backend=, kernel_version=) on tensors of this device and dtype leaves them to
@@ -446,9 +443,7 @@ def paged_attention(
     seq_lens[s] cached tokens. backend, validate (None: see guarded_by_default) and kernel_version (a
     number or name of kernel_versions(); None: the best): see module doc."""
     one_of(backend, "backend", BACKENDS)
-    args = validate_decode_args(
-        query, key_cache, value_cache, block_tables, seq_lens, scale, check_tables=False
-    )
+    args = validate_decode_args(query, key_cache, value_cache, block_tables, seq_lens, scale, tables=False)
     backend = resolve_backend(backend, args.query.device, args.query.dtype)
     version = None
     if backend in ("cupy", "emulator"):

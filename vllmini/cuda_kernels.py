@@ -57,7 +57,7 @@ _cupy_streams: dict[tuple[int, int], object] = {}  # (device, torch stream handl
 _error_buffers: dict[torch.device, torch.Tensor] = {}  # device -> int32 [ERROR_FIELDS], zero when clean
 
 
-# ----------------------------------------------------------------------------- finding the sources
+# ----------------------------------------------------------------------------- the registry
 
 
 def kernel_dir() -> Path:
@@ -88,9 +88,6 @@ def read_kernel_source(name: str) -> str:
             f"no kernel source {name!r} in {kernel_dir()}; expected one of {known}"
         )
     return path.read_text()
-
-
-# ----------------------------------------------------------------------------- the versions
 
 
 @dataclass(frozen=True)
@@ -251,7 +248,7 @@ def launch_plan(
     )
 
 
-# ----------------------------------------------------------------------------- NVRTC without a GPU
+# ----------------------------------------------------------------------------- compiling
 
 
 def _nvrtc():
@@ -296,9 +293,6 @@ def compile_for_arch(
         return nvrtc.getCUBIN(prog) if arch.startswith("sm_") else nvrtc.getPTX(prog)
     finally:
         nvrtc.destroyProgram(prog)
-
-
-# ----------------------------------------------------------------------------- kernels for each runtime
 
 
 def _cupy_kernel(
@@ -362,9 +356,9 @@ def paged_attention_kernel(
     for a version without a guard), then `launch_paged_attention`. Sync-free: nothing is read back from
     the device. runtime "cupy" needs CUDA tensors, "emulator" CPU tensors. `error` turns on the in-kernel
     guard of versions that have one: bad page ids are never read, their rows come out NaN and the first
-    one is recorded in `error` (see check_kernel_errors); without it the kernel trusts the
-    tables. `num_splits` forces version 5's context split (tests); `source` (cupy only) launches another
-    text with the same arguments, for benchmarks of variants."""
+    one is recorded in `error` (see check_kernel_errors); without it the kernel trusts the tables.
+    `num_splits` forces version 5's context split (tests); `source` (cupy only) launches another text
+    with the same arguments, for benchmarks of variants."""
     kernel = resolve_kernel_version(version, query.dtype)
     one_of(runtime, "runtime", RUNTIMES)
     tensors = (query, key_cache, value_cache, block_tables, seq_lens, out)
@@ -415,7 +409,7 @@ def launch_paged_attention(
     shared memory), which depend on the launch alone and no caller checks."""
     query, key_cache, value_cache, block_tables, seq_lens = inputs
     assert out.shape == query.shape and out.dtype == query.dtype and (error is None or kernel.guard)
-    num_seqs, num_heads, head_size = query.shape
+    (num_seqs, num_heads, head_size), (_, block_size, num_kv_heads, _) = query.shape, key_cache.shape
     if kernel.number > 1 and head_size > MAX_HEAD_SIZE:
         raise InvalidArgumentError(
             f"kernel version {kernel.number} supports head_size <= {MAX_HEAD_SIZE}, got {head_size}"
@@ -424,7 +418,16 @@ def launch_paged_attention(
         raise InvalidArgumentError(f"num_heads must be <= {MAX_GRID_YZ} (gridDim.y), got {num_heads}")
     if num_seqs == 0:
         return out
-    plan = _plan_call(kernel, runtime, query, key_cache, block_tables, num_splits)
+    sms = num_sms(query.device.index) if runtime == "cupy" else EMULATOR_SMS
+    width = block_tables.shape[1]  # max_num_blocks_per_seq
+    plan = launch_plan(
+        kernel, num_seqs, num_heads, num_kv_heads, head_size, block_size, width, query.dtype, sms, num_splits
+    )
+    if plan.shared_mem > MAX_SHARED_BYTES:  # version 1 keeps every score of the context in shared memory
+        raise InvalidArgumentError(
+            f"kernel version {kernel.number} needs {plan.shared_mem} bytes of shared memory for a block "
+            f"table of {width} x {block_size} tokens; at most {MAX_SHARED_BYTES} (H100/H200)"
+        )
     # the kernels read 16-byte vectors: a view that starts mid-row (a rare, odd storage offset) is copied
     query, key_cache, value_cache = (
         t if t.data_ptr() % 16 == 0 else t.clone() for t in (query, key_cache, value_cache)
@@ -448,26 +451,6 @@ def launch_paged_attention(
         merge = f"{kernel.file}_merge{DTYPE_SUFFIX[query.dtype]}"
         launch(merge, (num_seqs, num_heads, 1), (MERGE_THREADS, 1, 1), merge_args, 0)
     return out
-
-
-def _plan_call(kernel: KernelVersion, runtime: str, query, key_cache, block_tables, num_splits) -> LaunchPlan:
-    """The launch plan of one call (launch_plan, for the GPU's SMs or EMULATOR_SMS); InvalidArgumentError
-    when a block would need more shared memory than an H100/H200 block may have."""
-    num_seqs, num_heads, head_size = query.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
-    max_num_blocks_per_seq = block_tables.shape[1]
-    sms = num_sms(query.device.index) if runtime == "cupy" else EMULATOR_SMS
-    plan = launch_plan(
-        kernel, num_seqs, num_heads, num_kv_heads, head_size, block_size, max_num_blocks_per_seq, query.dtype,
-        sms, num_splits,
-    )  # fmt: skip
-    if plan.shared_mem > MAX_SHARED_BYTES:  # version 1 keeps every score of the context in shared memory
-        raise InvalidArgumentError(
-            f"kernel version {kernel.number} needs {plan.shared_mem} bytes of shared memory "
-            f"for a block table of {max_num_blocks_per_seq} x {block_size} tokens; "
-            f"at most {MAX_SHARED_BYTES} (H100/H200)"
-        )
-    return plan
 
 
 def _kernel_args(kernel: KernelVersion, plan, inputs: tuple, out: torch.Tensor, error, scale: float):
