@@ -50,9 +50,7 @@ class ModelRunner:
         self.backend = self._resolve_backend(config.backend)  # "torch", "cupy" or "emulator"
         self.graphs = self._capture_graphs(config.use_cuda_graphs)  # a DecodeGraphs, or None: eager
         # the decode kernels check page ids on the GPU: then only the slots are checked on the host
-        self.guarded = self.device.type == "cuda" and guarded_by_default(
-            self.backend, self.device, model.dtype
-        )
+        self.guarded = guarded_by_default(self.backend, self.device, model.dtype)
 
     def _make_kv_cache(self) -> PagedKVCache:
         c, cfg, dtype = self.config, self.model.config, self.model.dtype
