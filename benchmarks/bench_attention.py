@@ -42,7 +42,8 @@ from tqdm import tqdm
 
 import vllmini
 from vllmini import cuda_kernels
-from vllmini.attention import cupy_usable, kernel_error_buffer, validate_decode_args
+from vllmini.attention import cupy_usable, validate_decode_args
+from vllmini.cuda_kernels import kernel_error_buffer
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # relative L2 error allowed against float64 (inputs are exact in every dtype)

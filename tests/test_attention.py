@@ -1,9 +1,6 @@
 """Tests for vllmini.attention: the torch backend against a float64 token-by-token reference,
 prefill against scaled_dot_product_attention, validation, and the backend dispatch contract."""
 
-import sys
-import types
-
 import numpy as np
 import pytest
 import torch
@@ -26,7 +23,6 @@ import vllmini
 from vllmini import cuda_kernels
 from vllmini.attention import (
     BACKENDS,
-    check_kernel_errors,
     cupy_usable,
     paged_attention,
     paged_prefill_attention,
@@ -51,10 +47,10 @@ def prefill(case, backend="torch"):
 def host_path(request, monkeypatch):
     """Run the table checks both ways: CPU tensors viewed in place, and the one device->host copy that
     CUDA tensors take (`_host_copy`, exercised here on the CPU)."""
-    import vllmini.attention_checks as attention_checks
+    import vllmini.attention as attention
 
     if request.param == "copy":
-        monkeypatch.setattr(attention_checks, "_host_view", attention_checks._host_copy)
+        monkeypatch.setattr(attention, "_host_view", attention._host_copy)
     return request.param
 
 
@@ -443,29 +439,27 @@ def test_auto_prefers_the_kernel_only_where_it_applies(monkeypatch):
 
 
 def test_validation_happens_before_any_backend(monkeypatch):
-    fake = types.ModuleType("vllmini.cuda_kernels")
-    fake.paged_attention_kernel = lambda *a, **k: pytest.fail("kernel called with invalid input")
-    fake.resolve_kernel_version = cuda_kernels.resolve_kernel_version
-    monkeypatch.setitem(sys.modules, "vllmini.cuda_kernels", fake)
+    def refuse(*args, **kwargs):
+        pytest.fail("kernel called with invalid input")
+
+    monkeypatch.setattr(cuda_kernels, "launch_paged_attention", refuse)
     case = bad(seq_lens=torch.tensor([5, 0], dtype=torch.int32))
     with pytest.raises(ValueError, match="seq_lens"):
         decode(case, backend="emulator")
 
 
 def test_kernel_backends_get_normalized_inputs_and_preallocated_out(monkeypatch):
-    """The contract with vllmini.cuda_kernels.paged_attention_kernel."""
+    """The contract with vllmini.cuda_kernels.launch_paged_attention."""
     seen = {}
 
-    def fake_kernel(query, key_cache, value_cache, block_tables, seq_lens, scale, out, runtime, **kw):
+    def fake_kernel(inputs, scale, out, runtime, version, error):
+        query, key_cache, value_cache, block_tables, seq_lens = inputs
         seen.update(locals())
-        out.copy_(
+        return out.copy_(
             paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, backend="torch")
-        )
+        )  # the launcher fills and returns out
 
-    fake = types.ModuleType("vllmini.cuda_kernels")
-    fake.paged_attention_kernel = fake_kernel
-    fake.resolve_kernel_version = cuda_kernels.resolve_kernel_version
-    monkeypatch.setitem(sys.modules, "vllmini.cuda_kernels", fake)
+    monkeypatch.setattr(cuda_kernels, "launch_paged_attention", fake_kernel)
     case = make_decode_case(17, 3, 4, 2, 64, 8, (1, 8, 9))
     case["block_tables"] = case["block_tables"].long()
     q = case["query"].transpose(0, 1).contiguous().transpose(0, 1)
@@ -474,7 +468,7 @@ def test_kernel_backends_get_normalized_inputs_and_preallocated_out(monkeypatch)
     assert seen["block_tables"].dtype == torch.int32 and seen["seq_lens"].dtype == torch.int32
     assert all(seen[k].is_contiguous() for k in (*DECODE_KEYS, "out"))
     assert seen["scale"] == 64**-0.5
-    assert seen["kw"]["version"].number == 5 and seen["kw"]["error"] is None  # CPU: host check, no guard
+    assert seen["version"].number == 5 and seen["error"] is None  # CPU: host check, no guard
     assert_close(out, reference_decode(case))
 
 
@@ -528,7 +522,7 @@ def test_out_of_range_pages_and_prefill_errors_on_cuda():
         with pytest.raises(
             InvalidBlockTableError, match=r"block_tables\[1, 1\] = 2147483647 is not a block id"
         ):
-            check_kernel_errors()
+            cuda_kernels.check_kernel_errors()
     case = make_prefill_case(16, 4, 2, 64, 8, (9, 12), (3, 12), device="cuda")
     case["query_start_loc"] = torch.tensor([0, 10, 15], dtype=torch.int32, device="cuda")
     with pytest.raises(ValueError, match=r"sequence 0 has 10 query .* seq_lens\[0\] = 9"):

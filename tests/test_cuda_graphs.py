@@ -96,7 +96,7 @@ def sync_is_an_error():
 
 
 def _clear_guard():
-    from vllmini.attention import check_kernel_errors
+    from vllmini.cuda_kernels import check_kernel_errors
 
     with contextlib.suppress(InvalidBlockTableError):  # a record left by an earlier test's guarded call
         check_kernel_errors("cuda")

@@ -798,7 +798,7 @@ def test_generate_tokenizes_each_prompt_once(model, monkeypatch):
 def test_a_bad_block_id_seen_by_the_kernel_guard_fails_the_step_and_rolls_it_back(monkeypatch):
     """On CUDA the decode kernels check page ids on the GPU (no host sync); the engine reads that record
     once per step, before committing: the step raises InvalidBlockTableError and is undone."""
-    from vllmini.attention import check_kernel_errors
+    from vllmini.cuda_kernels import check_kernel_errors
     from vllmini.errors import InvalidBlockTableError
 
     with contextlib.suppress(InvalidBlockTableError):  # a record left by an earlier test's guarded call

@@ -18,7 +18,8 @@ _NAMES = {
     "block_table": "BlockTable",
     "block_manager": "BlockManager",
     "kv_cache": "PagedKVCache reshape_and_cache",
-    "attention": "paged_attention paged_prefill_attention check_kernel_errors",
+    "attention": "paged_attention paged_prefill_attention",
+    "cuda_kernels": "check_kernel_errors",
     "model": "LlamaConfig LlamaModel",
     "sequence": "Sequence",
     "scheduler": "Scheduler",
@@ -28,9 +29,8 @@ _NAMES = {
 }
 _EXPORTS = {name: module for module, names in _NAMES.items() for name in names.split()}
 _SUBMODULES = set(
-    "errors checks allocator block_table block_manager prefix_cache kv_cache attention "
-    "attention_checks kernel_registry launch_plan cuda_kernels emulator model sequence scheduler "
-    "sampling outputs model_runner engine course".split()
+    "errors checks allocator block_table block_manager prefix_cache kv_cache attention cuda_kernels "
+    "emulator model sequence scheduler sampling outputs model_runner engine course".split()
 )
 
 __all__ = sorted(_EXPORTS)

@@ -16,10 +16,10 @@ seq_lens -- values that live on the device -- are checked in one of three ways (
                      is recorded in a device-side buffer. No sync: `check_kernel_errors()` reads the buffer
                      (one sync) and raises InvalidBlockTableError; the engine calls it once per step.
     "trust"  (False) no check at all, for a caller that checked these tables already (check_block_tables).
-Backends: "torch" gathers the pages and runs `scaled_dot_product_attention`; "cupy" (a CUDA kernel on
-a GPU) and "emulator" (the same CUDA source on the CPU) live in `vllmini.cuda_kernels`, imported only
-when asked for, and `kernel_version=` picks one of `vllmini.kernel_registry`'s versions (None: the best).
-"auto" is "cupy" for CUDA tensors of a dtype the kernels take (KERNEL_DTYPES) when CuPy works, else
+validate=None picks "guard" or "host" in one place, `guarded_by_default`. Backends: "torch" gathers the
+pages and runs `scaled_dot_product_attention`; "cupy" (a CUDA kernel on a GPU) and "emulator" (the same
+source on the CPU) launch one of `vllmini.cuda_kernels`' versions (`kernel_version=`, None: the best).
+"auto" is "cupy" for CUDA tensors of a dtype the kernels take (FLOAT_DTYPES) when CuPy works, else
 "torch"; never the emulator. Index tensors may be int32 (vLLM's choice) or int64; padding entries of
 block_tables (past a sequence's length) are never read, whatever they hold (-1, garbage).
 """
@@ -28,47 +28,268 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import itertools
+from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vllmini.attention_checks import (  # noqa: F401 (re-exported: every name importable from here)
-    ERROR_FIELDS,
-    INDEX_DTYPES,
-    VALIDATE_MODES,
-    DecodeArgs,
-    PrefillArgs,
-    _table_check_mode,
-    _validate_decode,
-    _validate_prefill,
-    _with_host_lens,
-    check_block_tables,
-    check_kernel_errors,
-    kernel_error_buffer,
-    validate_decode_args,
-    validate_prefill_args,
-)
-from vllmini.checks import cdiv, one_of
-from vllmini.errors import InvalidArgumentError
-from vllmini.kernel_registry import resolve_kernel_version
-from vllmini.kv_cache import check_slot_mapping
+from vllmini import cuda_kernels
+from vllmini.checks import as_float, cdiv, one_of
+from vllmini.cuda_kernels import KernelVersion, resolve_kernel_version
+from vllmini.errors import InvalidArgumentError, InvalidBlockTableError, InvalidTypeError
+from vllmini.kv_cache import FLOAT_DTYPES, INDEX_DTYPES, check_cache_pair, check_slot_mapping
 
 BACKENDS = ("auto", "torch", "cupy", "emulator")
-# dtypes the CUDA kernels take today; "auto" sends anything else to torch instead of failing
-KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# validate= takes one of these, or None (auto), True ("host"), False ("trust")
+VALIDATE_MODES = ("host", "guard", "trust")
+
+
+class DecodeArgs(NamedTuple):
+    """Validated decode inputs: contiguous tensors, int32 indices, a float scale."""
+
+    query: torch.Tensor  # (num_seqs, num_heads, head_size)
+    key_cache: torch.Tensor  # (num_blocks, block_size, num_kv_heads, head_size)
+    value_cache: torch.Tensor  # (num_blocks, block_size, num_kv_heads, head_size)
+    block_tables: torch.Tensor  # (num_seqs, max_num_blocks_per_seq) int32
+    seq_lens: torch.Tensor  # (num_seqs,) int32
+    scale: float
+    max_seq_len: int  # max(seq_lens) (0 for an empty batch); before the host check the tables' width
+    min_seq_len: int  # min(seq_lens) after the host check, else 0 (unknown: the torch path masks all)
+
+
+class PrefillArgs(NamedTuple):
+    """Validated prefill inputs; query holds every sequence's new tokens back to back."""
+
+    query: torch.Tensor  # (num_tokens, num_heads, head_size)
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor  # (num_seqs, max_num_blocks_per_seq) int32
+    seq_lens: torch.Tensor  # (num_seqs,) int32
+    query_start_loc: torch.Tensor  # (num_seqs + 1,) int32
+    scale: float
+    max_seq_len: int
+    max_query_len: int
+    lens_host: np.ndarray  # (num_seqs,) int64: seq_lens on the host (from the check)
+    starts_host: np.ndarray  # (num_seqs + 1,) int64
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _check_index_tensor(name: str, t, shape_desc: str, ndim: int, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise InvalidTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in INDEX_DTYPES:
+        raise InvalidTypeError(f"{name} must be int32 (or int64), got {t.dtype}")
+    if t.dim() != ndim:
+        raise InvalidArgumentError(f"{name} must be {ndim}-D {shape_desc}, got shape {tuple(t.shape)}")
+    if t.device != device:
+        raise InvalidArgumentError(f"{name} is on {t.device} but the caches are on {device}")
+
+
+def _check_query(query, key_cache, value_cache, scale, what: str) -> float:
+    """The caches, the query against them, and the scale (None: 1/sqrt(head_size)), which it returns."""
+    check_cache_pair(key_cache, value_cache)
+    if not isinstance(query, torch.Tensor):
+        raise InvalidTypeError(f"query must be a torch.Tensor, got {type(query).__name__}")
+    num_kv_heads, head_size = key_cache.shape[2], key_cache.shape[3]
+    if query.dim() != 3:
+        raise InvalidArgumentError(
+            f"query must be 3-D [{what}, num_heads, head_size], got shape {tuple(query.shape)}"
+        )
+    if query.dtype != key_cache.dtype:
+        raise InvalidTypeError(
+            f"query is {query.dtype} but the caches are {key_cache.dtype}; they must match"
+        )
+    if query.device != key_cache.device:
+        raise InvalidArgumentError(f"query is on {query.device} but the caches are on {key_cache.device}")
+    if query.shape[2] != head_size:
+        raise InvalidArgumentError(f"query head_size {query.shape[2]} != cache head_size {head_size}")
+    num_heads = query.shape[1]
+    if num_heads < 1 or num_heads % num_kv_heads != 0:
+        raise InvalidArgumentError(
+            f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})"
+        )
+    return head_size**-0.5 if scale is None else as_float(scale, "scale")
+
+
+def _host_view(*tensors: torch.Tensor) -> list[np.ndarray]:
+    """The index tensors as numpy arrays on the host: CPU tensors viewed without a copy (strides and
+    all), anything else through `_host_copy`."""
+    if all(t.device.type == "cpu" for t in tensors):
+        return [t.numpy() for t in tensors]
+    return _host_copy(*tensors)
+
+
+def _host_copy(*tensors: torch.Tensor) -> list[np.ndarray]:
+    """ONE device->host copy of all the tensors: flattened into one (int64 if any of them is), then
+    `.cpu()` -- one sync, instead of a dozen tiny kernels and a sync per question asked of them."""
+    dtype = torch.int64 if any(t.dtype == torch.int64 for t in tensors) else torch.int32
+    flat = torch.cat([t.reshape(-1).to(dtype) for t in tensors]).cpu()
+    parts = flat.split([t.numel() for t in tensors])
+    return [part.reshape(t.shape).numpy() for part, t in zip(parts, tensors, strict=True)]
+
+
+def _check_tables_host(bt: np.ndarray, lens: np.ndarray, num_blocks: int, block_size: int) -> np.ndarray:
+    """Check block tables (S, M) and seq_lens (S,) on the host; return seq_lens as int64 (S,).
+
+    A sequence of length n reads the first ceil(n / block_size) entries of its row; the rest (padding)
+    may hold anything."""
+    max_blocks = bt.shape[1]
+    max_len = max_blocks * block_size
+    lens = lens.astype(np.int64)  # (S,) small copy: no int32 overflow below
+    if lens.min() < 1 or lens.max() > max_len:
+        i = int(((lens < 1) | (lens > max_len)).argmax())
+        raise InvalidArgumentError(
+            f"seq_lens[{i}] = {int(lens[i])} is out of range: expected 1 .. max_num_blocks_per_seq "
+            f"* block_size = {max_blocks} * {block_size} = {max_len}"
+        )
+    num_used = cdiv(lens, block_size)  # (S,) blocks each sequence reads, >= 1
+    used_cols = bt[:, : int(num_used.max())]  # a view: columns past every sequence's end are padding
+    # viewed as unsigned, a negative id becomes huge, so one compare finds ids outside [0, num_blocks)
+    unsigned = used_cols.view(np.uint32 if used_cols.dtype == np.int32 else np.uint64)
+    out_of_range = unsigned >= num_blocks  # (S, max_used)
+    first = out_of_range.argmax(axis=1)  # (S,) first out-of-range column of each row (0 if none)
+    bad_rows = out_of_range[np.arange(len(first)), first] & (first < num_used)
+    if bad_rows.any():
+        s = int(bad_rows.argmax())
+        j = int(first[s])
+        raise InvalidBlockTableError(
+            f"block_tables[{s}, {j}] = {int(bt[s, j])} is not a block id in [0, {num_blocks}) "
+            f"(sequence {s} has seq_len {int(lens[s])}, so it reads blocks 0..{int(num_used[s]) - 1})"
+        )
+    return lens
+
+
+def check_block_tables(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int, block_size: int
+) -> int:
+    """The host-side block-table checks of `paged_attention`, on their own (one host copy); returns
+    max(seq_lens). For a caller that runs many layers over the same tables (the model, once per
+    forward) and then calls `paged_attention(..., validate=False)` for each layer."""
+    if block_tables.dim() != 2 or seq_lens.shape != (block_tables.shape[0],):
+        raise InvalidArgumentError(
+            f"block_tables must be [num_seqs, max_num_blocks_per_seq] and seq_lens [num_seqs], got shapes "
+            f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}"
+        )
+    if block_tables.shape[0] == 0:
+        return 0
+    bt, lens = _host_view(block_tables, seq_lens)
+    return int(_check_tables_host(bt, lens, num_blocks, block_size).max())
+
+
+def _check_table_shapes(key_cache: torch.Tensor, block_tables, seq_lens, num_seqs: int | None) -> int:
+    """Index dtypes, devices and shapes; num_seqs None: block_tables' rows. Returns num_seqs."""
+    device = key_cache.device
+    _check_index_tensor("block_tables", block_tables, "[num_seqs, max_num_blocks_per_seq]", 2, device)
+    _check_index_tensor("seq_lens", seq_lens, "[num_seqs]", 1, device)
+    if num_seqs is None:
+        num_seqs = block_tables.shape[0]
+    if block_tables.shape[0] != num_seqs or (num_seqs > 0 and block_tables.shape[1] < 1):
+        raise InvalidArgumentError(
+            f"block_tables must be [num_seqs={num_seqs}, max_num_blocks_per_seq>=1], "
+            f"got shape {tuple(block_tables.shape)}"
+        )
+    if seq_lens.shape != (num_seqs,):
+        raise InvalidArgumentError(
+            f"seq_lens must be [num_seqs={num_seqs}], got shape {tuple(seq_lens.shape)}"
+        )
+    return num_seqs
+
+
+def _normalize(query, key_cache, value_cache, *indices) -> tuple[torch.Tensor, ...]:
+    """query and the caches contiguous (a strided cache is copied whole), the index tensors contiguous
+    int32: int64 values outside int32 are clamped, not wrapped, so an id like 2**40 stays out of range for
+    the in-kernel guard instead of becoming a valid id."""
+    ints = (t.clamp(-(2**31), 2**31 - 1).int() if t.dtype == torch.int64 else t.int() for t in indices)
+    return tuple(t.contiguous() for t in (query, key_cache, value_cache, *ints))
+
+
+def validate_decode_args(
+    query: torch.Tensor,  # (num_seqs, num_heads, head_size)
+    key_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_size)
+    value_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_size)
+    block_tables: torch.Tensor,  # (num_seqs, max_num_blocks_per_seq) int32/int64
+    seq_lens: torch.Tensor,  # (num_seqs,) int32/int64
+    scale: float | None = None,
+    *,
+    tables: bool = True,
+) -> DecodeArgs:
+    """Check every decode input (raising ValueError/TypeError that names it) and normalize it.
+
+    Returns contiguous copies where needed (a strided cache is copied whole: correct, not fast),
+    int32 block_tables/seq_lens, the resolved scale and max(seq_lens). The table checks run on the
+    host: CUDA tables cost one device->host copy (one sync), CPU tables none. tables=False leaves the
+    tables' values unchecked (the guard checks them, or the caller did)."""
+    scale = _check_query(query, key_cache, value_cache, scale, "num_seqs")
+    _check_table_shapes(key_cache, block_tables, seq_lens, query.shape[0])
+    tensors = _normalize(query, key_cache, value_cache, block_tables, seq_lens)
+    args = DecodeArgs(*tensors, scale, block_tables.shape[1] * key_cache.shape[1], 0)
+    return _with_host_lens(args, block_tables, seq_lens) if tables else args
+
+
+def _with_host_lens(args: DecodeArgs, block_tables, seq_lens) -> DecodeArgs:
+    """args after the host check of the caller's tables (int64 ones unclamped), with the true lengths."""
+    if args.query.shape[0] == 0:
+        return args._replace(max_seq_len=0)
+    bt, lens = _host_view(block_tables, seq_lens)
+    lens = _check_tables_host(bt, lens, args.key_cache.shape[0], args.key_cache.shape[1])
+    return args._replace(max_seq_len=int(lens.max()), min_seq_len=int(lens.min()))
+
+
+def validate_prefill_args(
+    query: torch.Tensor,  # (num_tokens, num_heads, head_size)
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # (num_seqs, max_num_blocks_per_seq)
+    seq_lens: torch.Tensor,  # (num_seqs,)
+    query_start_loc: torch.Tensor,  # (num_seqs + 1,)
+    scale: float | None = None,
+) -> PrefillArgs:
+    """Like `validate_decode_args`, plus query_start_loc: starts at 0, ends at num_tokens, and each
+    sequence has 1 .. seq_len new tokens (its last ones). One device->host copy for all three."""
+    scale = _check_query(query, key_cache, value_cache, scale, "num_tokens")
+    num_seqs = _check_table_shapes(key_cache, block_tables, seq_lens, None)
+    _check_index_tensor("query_start_loc", query_start_loc, "[num_seqs + 1]", 1, key_cache.device)
+    if query_start_loc.shape != (num_seqs + 1,):
+        raise InvalidArgumentError(
+            f"query_start_loc must be [num_seqs + 1] = [{num_seqs + 1}] (num_seqs from block_tables), "
+            f"got shape {tuple(query_start_loc.shape)}"
+        )
+    bt, lens, starts = _host_view(block_tables, seq_lens, query_start_loc)
+    if num_seqs > 0:
+        lens = _check_tables_host(bt, lens, key_cache.shape[0], key_cache.shape[1])
+    lens, starts = lens.astype(np.int64), starts.astype(np.int64)
+    num_tokens = query.shape[0]
+    if starts[0] != 0 or starts[-1] != num_tokens:
+        raise InvalidArgumentError(
+            f"query_start_loc must start at 0 and end at num_tokens={num_tokens}, "
+            f"got {int(starts[0])} .. {int(starts[-1])}"
+        )
+    q_lens = np.diff(starts)  # (S,) new tokens of each sequence
+    bad = (q_lens < 1) | (q_lens > lens)
+    if bad.any():
+        i = int(bad.argmax())
+        raise InvalidArgumentError(
+            f"sequence {i} has {int(q_lens[i])} query tokens (query_start_loc[{i}:{i + 2}] = "
+            f"{starts[i : i + 2].tolist()}); expected 1 .. seq_lens[{i}] = {int(lens[i])}"
+        )
+    tensors = _normalize(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
+    longest, longest_query = (int(lens.max()), int(q_lens.max())) if num_seqs else (0, 0)
+    return PrefillArgs(*tensors, scale, longest, longest_query, lens, starts)
+
 
 # ----------------------------------------------------------------------------- the torch backend
 
 
-def _decode_torch(args: DecodeArgs, min_seq_len: int) -> torch.Tensor:
+def _decode_torch(args: DecodeArgs) -> torch.Tensor:
     """Naive paged decode: gather every sequence's pages (padded to the longest), then SDPA.
 
-    min_seq_len (known on the host from validation) says which positions may need masking: none when
-    every sequence is equally long, else only positions min_seq_len .. max_seq_len - 1."""
-    q, kc, vc = args.query, args.key_cache, args.value_cache
+    args.min_seq_len (known on the host from validation) says which positions may need masking: none
+    when every sequence is equally long, else only positions min_seq_len .. max_seq_len - 1."""
+    q, kc, vc, min_seq_len = args.query, args.key_cache, args.value_cache, args.min_seq_len
     num_seqs, num_heads, head_size = q.shape
     block_size, num_kv_heads = kc.shape[1], kc.shape[2]
     group = num_heads // num_kv_heads  # query heads per kv head
@@ -101,13 +322,13 @@ def _decode_torch(args: DecodeArgs, min_seq_len: int) -> torch.Tensor:
     return out.reshape(num_seqs, num_heads, head_size)
 
 
-def _prefill_torch(args: PrefillArgs, lens: np.ndarray, starts: np.ndarray) -> torch.Tensor:
+def _prefill_torch(args: PrefillArgs) -> torch.Tensor:
     """Paged prefill for the whole batch in one attention call, no loop over sequences: gather every
     sequence's pages into a padded (S, L, kvh, hs) tensor with one index, lay the new tokens out on a
     padded (S, N) grid, and run one SDPA with a mask that is causal (query row j of sequence s sits at
     position lens[s] - n_s + j, so a chunk that starts at k > 0 works) and cuts each sequence at its length.
-    lens/starts: seq_lens and query_start_loc on the host (from validation: the indices need no sync)."""
-    q, kc, vc = args.query, args.key_cache, args.value_cache
+    seq_lens and query_start_loc come from the host copies of validation (the indices need no sync)."""
+    q, kc, vc, lens, starts = args.query, args.key_cache, args.value_cache, args.lens_host, args.starts_host
     num_tokens, num_heads, head_size = q.shape
     block_size, num_kv_heads = kc.shape[1], kc.shape[2]
     group = num_heads // num_kv_heads  # query heads per kv head
@@ -163,7 +384,7 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype | Non
     one_of(backend, "backend", BACKENDS)
     device = torch.device(device)
     if backend == "auto":
-        kernel_ok = dtype is None or dtype in KERNEL_DTYPES
+        kernel_ok = dtype is None or dtype in FLOAT_DTYPES
         return "cupy" if device.type == "cuda" and kernel_ok and cupy_usable() else "torch"
     if backend == "cupy" and device.type != "cuda":
         raise InvalidArgumentError(f"backend 'cupy' needs CUDA tensors, got tensors on {device}")
@@ -172,11 +393,37 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype | Non
     return backend
 
 
-def guarded_by_default(backend: str, device: torch.device, dtype: torch.dtype) -> bool:
-    """True when paged_attention(..., backend=backend) on such tensors checks its tables with the
-    in-kernel guard by default (CUDA, a kernel with a guard): a caller then skips its own host check
-    and calls check_kernel_errors() once per step instead."""
-    return resolve_backend(backend, device, dtype) == "cupy" and resolve_kernel_version(None, dtype).guard
+def guarded_by_default(
+    backend: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    kernel_version: int | str | KernelVersion | None = None,
+) -> bool:
+    """Who checks the block tables when validate is None (the one place that decides): True when
+    paged_attention(..., backend=, kernel_version=) on tensors of this device and dtype leaves them to
+    the in-kernel guard (backend "cupy", a kernel version with a guard), False when it checks them on the
+    host. A caller that runs many layers over the same tables asks once: True, then call
+    check_kernel_errors() once per step; False, then check_block_tables() once and pass validate=False."""
+    backend = resolve_backend(backend, device, dtype)
+    return backend == "cupy" and resolve_kernel_version(kernel_version, dtype).guard
+
+
+def _table_check_mode(validate, backend: str, version: KernelVersion | None, query: torch.Tensor) -> str:
+    """validate= (None, True, False or a VALIDATE_MODES name) -> "host", "guard" or "trust"."""
+    if validate is None:
+        return "guard" if guarded_by_default(backend, query.device, query.dtype, version) else "host"
+    if validate is True or validate is False:
+        return "host" if validate else "trust"
+    if validate not in VALIDATE_MODES:
+        raise InvalidArgumentError(
+            f"validate must be None, True, False or one of {VALIDATE_MODES}, got {validate!r}"
+        )
+    if validate == "guard" and not (version is not None and version.guard):
+        raise InvalidArgumentError(
+            f"validate='guard' needs a kernel with the in-kernel guard (backend 'cupy' or 'emulator', "
+            f"kernel version 5); backend is {backend!r}"
+        )
+    return validate
 
 
 def paged_attention(
@@ -192,10 +439,10 @@ def paged_attention(
     kernel_version: int | str | None = None,
 ) -> torch.Tensor:  # (num_seqs, num_heads, head_size), query's dtype
     """Decode attention through block tables: each sequence's one query token attends to its
-    seq_lens[s] cached tokens. backend, validate (None: "guard" on CUDA when the kernel has one, else
-    "host") and kernel_version (a number or name of kernel_versions(); None: the best): see module doc."""
+    seq_lens[s] cached tokens. backend, validate (None: see guarded_by_default) and kernel_version (a
+    number or name of kernel_versions(); None: the best): see module doc."""
     one_of(backend, "backend", BACKENDS)
-    args = _validate_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
+    args = validate_decode_args(query, key_cache, value_cache, block_tables, seq_lens, scale, tables=False)
     backend = resolve_backend(backend, args.query.device, args.query.dtype)
     version = None
     if backend in ("cupy", "emulator"):
@@ -205,23 +452,16 @@ def paged_attention(
             f"kernel_version applies to backends 'cupy' and 'emulator', not {backend!r}; "
             f"got {kernel_version!r}"
         )
-    mode = _table_check_mode(validate, args.query.device, backend, version is not None and version.guard)
+    mode = _table_check_mode(validate, backend, version, args.query)
     if args.query.shape[0] == 0:
         return torch.empty_like(args.query)
-    min_seq_len = 0  # lengths unknown: the torch path masks every position
     if mode == "host":
-        args, lens = _with_host_lens(args, block_tables, seq_lens)
-        min_seq_len = int(lens.min())
+        args = _with_host_lens(args, block_tables, seq_lens)
     if backend == "torch":
-        return _decode_torch(args, min_seq_len)
+        return _decode_torch(args)
     out = torch.empty_like(args.query)
-    error = kernel_error_buffer(args.query.device) if mode == "guard" else None
-    cuda_kernels = importlib.import_module("vllmini.cuda_kernels")  # lazy: only kernel users pay for it
-    cuda_kernels.paged_attention_kernel(
-        args.query, args.key_cache, args.value_cache, args.block_tables, args.seq_lens, args.scale, out,
-        runtime=backend, version=version, error=error, _validated=True,
-    )  # fmt: skip
-    return out
+    error = cuda_kernels.kernel_error_buffer(args.query.device) if mode == "guard" else None
+    return cuda_kernels.launch_paged_attention(args[:5], args.scale, out, backend, version, error)
 
 
 def paged_prefill_attention(
@@ -243,12 +483,12 @@ def paged_prefill_attention(
             f"paged_prefill_attention supports backend 'torch' (or 'auto'), got {backend!r}; "
             "the CUDA kernels implement decode only"
         )
-    args, lens, starts = _validate_prefill(
+    args = validate_prefill_args(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale
     )
     if args.query.shape[0] == 0:
         return torch.empty_like(args.query)
-    return _prefill_torch(args, lens, starts.astype(np.int64))
+    return _prefill_torch(args)
 
 
 def to_device(t: torch.Tensor, device) -> torch.Tensor:

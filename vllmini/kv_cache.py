@@ -14,8 +14,9 @@ import torch
 from vllmini.checks import as_fraction, as_index, as_int, as_pair, check_tensor
 from vllmini.errors import BlockIdError, InvalidArgumentError, InvalidTypeError
 
-CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # what attention can read
-_INT_DTYPES = (torch.int32, torch.int64)
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the model runs in, the kernels take
+CACHE_DTYPES = (*FLOAT_DTYPES, torch.float64)  # what attention can read (float64: references)
+INDEX_DTYPES = (torch.int32, torch.int64)  # block ids, slots, lengths
 _POOL = "[num_blocks, block_size, num_kv_heads, head_size]"
 _NEW = "[num_tokens, num_kv_heads, head_size]"
 
@@ -73,7 +74,7 @@ def reshape_and_cache(
     check_tensor(
         slot_mapping,
         "slot_mapping",
-        dtypes=_INT_DTYPES,
+        dtypes=INDEX_DTYPES,
         device=device,
         shape=(key.shape[0],),
         shape_desc="[num_tokens]",

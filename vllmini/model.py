@@ -36,14 +36,13 @@ from vllmini.attention import (
 )
 from vllmini.checks import as_float, as_int, one_of
 from vllmini.errors import CheckpointError, CheckpointNotFoundError, InvalidArgumentError, InvalidTypeError
-from vllmini.kv_cache import reshape_and_cache
+from vllmini.kv_cache import FLOAT_DTYPES, reshape_and_cache
 
 ROPE_KEYS = {  # rope type -> what it reads from its scaling dict
     "default": (),
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 # -----------------------------------------------------------------------------
@@ -360,16 +359,16 @@ class LlamaModel(nn.Module):
         model.safetensors.index.json; tokenizer.json and generation_config.json when present) or
         from an in-memory transformers LlamaForCausalLM (whose tensors are shared, not copied, when
         dtype and device already match). dtype defaults to the stored weights'."""
-        if dtype is not None and dtype not in DTYPES:
-            raise InvalidTypeError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+        if dtype is not None and dtype not in FLOAT_DTYPES:
+            raise InvalidTypeError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype!r}")
         ckpt = read_checkpoint(path_or_hf_model)
         state, where = ckpt.state, ckpt.where
         embed = state.get("model.embed_tokens.weight", state.get("embed_tokens.weight"))  # prefix optional
         if embed is None:
             raise CheckpointError(f"{where} has no model.embed_tokens.weight: not a Llama checkpoint")
         dtype = dtype if dtype is not None else embed.dtype
-        if dtype not in DTYPES:
-            raise CheckpointError(f"{where} stores {dtype} weights; pass dtype= one of {DTYPES} to convert")
+        if dtype not in FLOAT_DTYPES:
+            raise CheckpointError(f"{where} stores {dtype} weights; pass dtype= one of {FLOAT_DTYPES} to convert")
         with torch.device("meta"):  # no memory, no random init: the weights come next
             model = cls(ckpt.config)
         device = device if device is not None else ckpt.device

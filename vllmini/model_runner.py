@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import torch
 
-from vllmini.attention import AttentionMetadata, check_kernel_errors, kernel_error_buffer, to_device
+from vllmini.attention import AttentionMetadata, to_device
 from vllmini.block_manager import BlockManager
 from vllmini.checks import as_int, cdiv
+from vllmini.cuda_kernels import check_kernel_errors, kernel_error_buffer
 from vllmini.errors import InvalidArgumentError
 from vllmini.kv_cache import PagedKVCache
 from vllmini.model import LlamaModel

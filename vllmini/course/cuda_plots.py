@@ -9,12 +9,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from vllmini.course.style import PALETTE, bare
+from vllmini.cuda_kernels import WARP_SIZE
 from vllmini.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
-
-WARP_SIZE = 32
 
 
 def draw_cuda_hierarchy(grid: tuple[int, int] = (4, 2), threads: int = 128, figsize=(14, 4.4)) -> Figure:
