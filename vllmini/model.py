@@ -368,7 +368,9 @@ class LlamaModel(nn.Module):
             raise CheckpointError(f"{where} has no model.embed_tokens.weight: not a Llama checkpoint")
         dtype = dtype if dtype is not None else embed.dtype
         if dtype not in FLOAT_DTYPES:
-            raise CheckpointError(f"{where} stores {dtype} weights; pass dtype= one of {FLOAT_DTYPES} to convert")
+            raise CheckpointError(
+                f"{where} stores {dtype} weights; pass dtype= one of {FLOAT_DTYPES} to convert"
+            )
         with torch.device("meta"):  # no memory, no random init: the weights come next
             model = cls(ckpt.config)
         device = device if device is not None else ckpt.device
