@@ -5,33 +5,43 @@
 //     k_t, v_t = key_cache/value_cache[block_tables[s][t / block_size]][t % block_size][h / group]
 // in float16 or bfloat16 (inputs and output), with float32 scores, softmax and sums.
 //
-// The one idea it adds to version 5: the query heads of a GQA group that share a KV head are the rows of
-// a 16-row matrix tile, and both products run on the tensor cores, `mma.sync.aligned.m16n8k16` (16-bit
-// inputs, float32 accumulators): per warp and step of 16 tokens,
-//     S (16 x 16 tokens) = Q (16 x head_size) . K^T      head_size / 16 k-steps, for each of 2 token tiles
-//     O (16 x head_size) += P (16 x 16 tokens) . V       head_size / 8 column tiles, one k-step
-// A decode step is memory-bound: a group of 4 or 8 heads uses 4 or 8 of the 16 rows and the padding
-// rows cost nothing that matters, while version 5 did every head's multiply-adds on the CUDA cores and
-// became issue-bound (68% of the read ceiling on GQA 32q/8kv). The rest is version 5's: one block per
-// (sequence, head block, context piece), the online softmax in the log2 domain, the split contract
-// (part_out, part_ml, the merge kernels below), the in-kernel guard on page ids and lengths.
+// The one idea it adds to version 5: the query heads of a GQA group that share a KV head are packed into
+// one matrix tile, and both products run on the tensor cores, `mma.sync.aligned.m16n8k16` (16-bit inputs,
+// float32 accumulators): per warp and step of 16 tokens,
+//     S   (16 heads x 16 tokens) = Q (16 heads x head_size) . K^T    head_size / 16 k-steps x 2 token tiles
+//     O^T (head_size x 8 heads) += V^T (head_size x 16 tokens) . P^T  head_size / 16 dim tiles, one k-step
+// (the second product transposed, so a group of up to 8 heads fills its 8 columns instead of wasting 8 of
+// 16 rows: half the accumulator registers). A decode step is memory-bound: the tile's padding costs
+// nothing that matters, while version 5 did each head's multiply-adds on the CUDA cores and became
+// issue-bound (68% of the read ceiling on GQA 32q/8kv). The rest is version 5's: one block per (sequence,
+// head block, context piece), the online softmax in the log2 domain, the split contract (part_out,
+// part_ml, the merge kernels below), the in-kernel guard on page ids and lengths.
 //
 // No shared memory and no transposes in the loop: the fragments come straight from 16-byte loads.
 //   * K. The sum over dims in Q . K^T may run in any order, so the k index of the mma is a permutation
-//     of the head dims: lane (g = lane / 4, t = lane % 4) loads token g's row in 16-byte chunks
-//     8 * (4c + t) .. +7 (c < head_size / 32; four lanes cover a row, 64 contiguous bytes per load
-//     across them), and words 0-1 / 2-3 of chunk c are its B registers for k-steps 2c / 2c + 1. Q is
-//     loaded the same way (rows g, g + 8), so the A and B k indices name the same dims.
-//   * V. P . V sums over tokens, and the B registers of an mma pair two consecutive k (= tokens) of one
-//     column (a dim): lane (g, t) loads the rows of tokens 2t, 2t + 1, 2t + 8, 2t + 9 at dims
+//     of the head dims: lane (g = lane / 4, t = lane % 4) loads tokens g's and 8 + g's rows in 16-byte
+//     chunks 8 * (4c + t) .. +7 (c < head_size / 32; four lanes cover 64 contiguous bytes per load), and
+//     words 0-1 / 2-3 of chunk c are its B registers for k-steps 2c / 2c + 1. Q is loaded the same way
+//     (rows g, g + 8), so the A and B k indices name the same dims.
+//   * V. V^T . P^T sums over tokens, and the A registers of an mma pair two consecutive k (= tokens) of
+//     one row (a dim): lane (g, t) loads the rows of tokens 2t, 2t + 1, 2t + 8, 2t + 9 at dims
 //     8 * (8c + g) .. +7 (c < head_size / 64), and pairs the halves of two rows with shifts and masks
-//     (one PRMT each). Column n of output tile j is dim 64 * (j / 8) + 8 * n + j % 8.
-//   * P. The accumulator fragment of S for tokens 0-7 and 8-15 is, element for element, the A fragment
-//     of P . V (rows g, g + 8; k = 2t, 2t + 1, 2t + 8, 2t + 9): the probabilities stay in the registers
-//     that computed them, rounded to the input type.
-//   * Rows. A row's 16 scores of a step sit in the 4 lanes of a quad: the row max and sum take two
-//     shuffles. Groups of up to 8 heads use rows 0-7 only (rows 8-15 of Q are zero registers, their
-//     outputs dropped); 9-16 heads take the copy that keeps rows 8-15 too.
+//     (one PRMT each). Word w of chunk c gives dim tile 4c + w: its low halves row g, its high halves
+//     row g + 8.
+//   * P. The accumulator fragment of S (row g = head g; tokens 2t, 2t + 1 and 2t + 8, 2t + 9) is, element
+//     for element, the B fragment of P^T: the probabilities stay in the registers that computed them,
+//     rounded to the input type.
+//   * Rows. A head's 16 scores of a step sit in the 4 lanes of a quad: its max and sum take two
+//     shuffles, and each lane fetches the corrections of its two output columns with two more. Groups of
+//     up to 8 heads use rows 0-7 of Q (rows 8-15 are zero registers); 9-16 heads take the copy that keeps
+//     rows 8-15 and a second column tile of O^T.
+//   * Pipeline. The next step's K is issued as soon as this step's scores are done, its V once P . V is
+//     done, the page ids one step further ahead: every warp always has a step of loads in flight.
+//
+// Measured (H200, head size 128, block 16, B64 L4096, fp16, 2026-12-02, benchmarks/bench_tensor_cores.py,
+// L2 flushed, median of 30): GQA 32q/8kv 267-269 us = 4.0 TB/s of K+V (91% of a 4.41 TB/s read ceiling,
+// 1.07x cuDNN SDPA on a contiguous cache, version 5 1.50x), 32/4 140 us (1.05x), 64/8 277 us (1.10x);
+// bfloat16 the same within 1%. 168 registers (3 blocks per SM), no spills.
 //
 // Shapes (contiguous), as version 5: out [num_seqs, num_heads, head_size] (16-bit bits); part_out
 // float32 [num_seqs, num_heads, num_splits, head_size] and part_ml float32 [..., num_splits, 2] (only
@@ -43,7 +53,7 @@
 //
 // Launch: grid = (num_seqs, num_heads / heads_per_block, num_splits), block = 128 threads (4 warps),
 // dynamic shared memory = 4 * ROWS * (head_size + 2) * 4 bytes, ROWS = 8 when heads_per_block <= 8
-// else 16. heads_per_block (1 .. 16) divides num_heads / num_kv_heads; pages_per_split * num_splits
+// else 16. Splits: the grid's blocks fill whole waves of 3 per SM best (512 blocks on 132 SMs: 3 pieces). heads_per_block (1 .. 16) divides num_heads / num_kv_heads; pages_per_split * num_splits
 // covers max_num_blocks_per_seq; when num_splits > 1, then the merge kernel with grid (num_seqs,
 // num_heads), any block size.
 // Limits: head_size 64 or 128 (other sizes: NaN rows; the host takes version 5), 16-byte aligned rows,
@@ -202,7 +212,8 @@ __device__ __forceinline__ unsigned int pair_halves(unsigned int lo, unsigned in
 template <typename Dtype, int HEAD, bool ROWS16>
 __device__ void attend(VLLMINI_V6_PARAMS) {
     constexpr int KSTEPS = HEAD / 16;   // k-steps of Q . K^T
-    constexpr int NTILES = HEAD / 8;    // 8-dim column tiles of P . V
+    constexpr int MTILES = HEAD / 16;   // 16-dim row tiles of O^T = V^T . P^T
+    constexpr int HTILES = ROWS16 ? 2 : 1;  // 8-head column tiles of O^T
     constexpr int KCHUNKS = HEAD / 32;  // 16-byte chunks a lane loads of a K row (4 lanes a row)
     constexpr int VCHUNKS = HEAD / 64;  // 16-byte chunks a lane loads of a V row (8 lanes a row)
     constexpr int ROWS = ROWS16 ? 16 : 8;
@@ -244,11 +255,15 @@ __device__ void attend(VLLMINI_V6_PARAMS) {
     load_q(g, q_lo);
     if constexpr (ROWS16) load_q(g + 8, q_hi);
 
-    // O as D fragments: acc[j][0..1] = row g, dims of columns 2t, 2t + 1 of tile j; [2..3] row g + 8.
-    float acc[NTILES][4];
+    // O^T as D fragments: acc[x][j] = heads 8x + 2t, 8x + 2t + 1 at dim row g (0, 1) and g + 8 (2, 3)
+    // of dim tile j.
+    float acc[HTILES][MTILES][4];
     float m[2], l[2];  // per row (g, g + 8): running max (log2 domain), this lane's share of the sum
 #pragma unroll
-    for (int j = 0; j < NTILES; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    for (int x = 0; x < HTILES; x++) {
+#pragma unroll
+        for (int j = 0; j < MTILES; j++) acc[x][j][0] = acc[x][j][1] = acc[x][j][2] = acc[x][j][3] = 0.0f;
+    }
     m[0] = m[1] = -INFINITY;
     l[0] = l[1] = 0.0f;
 
@@ -261,41 +276,59 @@ __device__ void attend(VLLMINI_V6_PARAMS) {
     const bool one_page = (block_size % STEP) == 0;  // a step's 16 tokens share a page
     const float qk_scale = scale * LOG2E;
 
-    for (int start = t_begin + warp * STEP; start < t_end; start += NUM_WARPS * STEP) {
-        // 1) The page of every token this lane loads (past the end: the last real token again, its
-        //    score -inf below); looked up once when the step's tokens share a page.
-        const int step_page = one_page ? load_page(table, (shift >= 0 ? start >> shift : start / block_size),
-                                                   num_blocks, error, seq, bad)
-                                       : 0;
-        auto row_offset = [&](int u) -> long long {  // token start + u's row in the cache (minus the head)
-            const int tok = min(start + u, t_end - 1);
-            int idx, slot;
-            if (shift >= 0) {
-                idx = tok >> shift;
-                slot = tok & (block_size - 1);
-            } else {
-                idx = tok / block_size;
-                slot = tok - idx * block_size;
-            }
-            const int page = one_page ? step_page : load_page(table, idx, num_blocks, error, seq, bad);
-            return page * page_stride + slot * token_stride;
-        };
-        // 2) Every K and V load of the step before any use: K rows of tokens g and 8 + g, V rows of
-        //    tokens 2t, 2t + 1, 2t + 8, 2t + 9.
-        uint4 kw[2][KCHUNKS], vw[4][VCHUNKS];
+    // Token start + u's row in the cache (minus the head's offset); past the end: the last real token
+    // again, its score -inf below. `page`: the step's page when its 16 tokens share one, else unused.
+    auto row_offset = [&](int start, int page, int u) -> long long {
+        const int tok = min(start + u, t_end - 1);
+        int idx, slot;
+        if (shift >= 0) {
+            idx = tok >> shift;
+            slot = tok & (block_size - 1);
+        } else {
+            idx = tok / block_size;
+            slot = tok - idx * block_size;
+        }
+        if (!one_page) page = load_page(table, idx, num_blocks, error, seq, bad);
+        return page * page_stride + slot * token_stride;
+    };
+    auto step_page = [&](int start) -> int {  // looked up once per step when its tokens share a page
+        if (!one_page || start >= t_end) return 0;
+        return load_page(table, shift >= 0 ? start >> shift : start / block_size, num_blocks, error, seq, bad);
+    };
+    // A step's loads: K rows of tokens g and 8 + g, V rows of tokens 2t, 2t + 1, 2t + 8, 2t + 9.
+    uint4 kw[2][KCHUNKS], vw[4][VCHUNKS];
+    auto load_k = [&](int start, int page) {
 #pragma unroll
         for (int i = 0; i < 2; i++) {
-            const unsigned short* row = k_base + row_offset(8 * i + g);
+            const unsigned short* row = k_base + row_offset(start, page, 8 * i + g);
 #pragma unroll
             for (int c = 0; c < KCHUNKS; c++) kw[i][c] = *reinterpret_cast<const uint4*>(row + 8 * (4 * c + t));
         }
+    };
+    auto load_v = [&](int start, int page) {
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-            const unsigned short* row = v_base + row_offset(2 * t + (i & 1) + 8 * (i >> 1));
+            const unsigned short* row = v_base + row_offset(start, page, 2 * t + (i & 1) + 8 * (i >> 1));
 #pragma unroll
             for (int c = 0; c < VCHUNKS; c++) vw[i][c] = *reinterpret_cast<const uint4*>(row + 8 * (8 * c + g));
         }
-        // 3) S = Q . K^T, two tiles of 8 tokens: s[i][0..1] = row g, tokens 8i + 2t, 8i + 2t + 1; [2..3] row g + 8.
+    };
+
+    // 1) The pipeline: a step's K and V are in flight while the step before it computes -- the next K is
+    //    issued as soon as this step's scores no longer need kw, the next V once P . V no longer needs
+    //    vw -- and the page ids run one step further ahead, so no load waits on a table lookup.
+    constexpr int STRIDE = NUM_WARPS * STEP;  // the warps take steps in turn
+    int first = t_begin + warp * STEP;
+    int page_next = step_page(first + STRIDE);
+    if (first < t_end) {
+        const int page = step_page(first);
+        load_k(first, page);
+        load_v(first, page);
+    }
+    for (int start = first; start < t_end; start += STRIDE) {
+        const int next = start + STRIDE;
+        const int page_after = step_page(next + STRIDE);
+        // 2) S = Q . K^T, two tiles of 8 tokens: s[i][0..1] = row g, tokens 8i + 2t, 8i + 2t + 1; [2..3] row g + 8.
         float s[2][4];
 #pragma unroll
         for (int i = 0; i < 2; i++) {
@@ -313,11 +346,12 @@ __device__ void attend(VLLMINI_V6_PARAMS) {
                 }
             }
         }
-        // 4) Online softmax per row in the log2 domain; a row's 16 scores are in the 4 lanes of a quad.
-        unsigned int p[4];  // the A fragment of P . V
+        if (next < t_end) load_k(next, page_next);  // kw is free
+        // 3) Online softmax per row in the log2 domain; a row's 16 scores are in the 4 lanes of a quad.
+        unsigned int p[2][2];  // P^T as B fragments: heads 8x + g; tokens 2t, 2t + 1 (0) and 2t + 8, 2t + 9 (1)
         float correction[2];
 #pragma unroll
-        for (int r = 0; r < (ROWS16 ? 2 : 1); r++) {
+        for (int r = 0; r < HTILES; r++) {
             float x[4];
 #pragma unroll
             for (int e = 0; e < 4; e++) {  // e: (tile e / 2, column e % 2) -> token 8 (e / 2) + 2t + e % 2
@@ -335,34 +369,35 @@ __device__ void attend(VLLMINI_V6_PARAMS) {
             for (int e = 0; e < 4; e++) px[e] = exp2f(x[e] - m_use);  // 0 past the end
             l[r] = l[r] * correction[r] + (px[0] + px[1]) + (px[2] + px[3]);
             m[r] = m_new;
-            p[r] = Dtype::pack(px[0], px[1]);      // register 0 (row g) / 1 (row g + 8): tokens 2t, 2t + 1
-            p[r + 2] = Dtype::pack(px[2], px[3]);  // register 2 / 3: tokens 2t + 8, 2t + 9
+            p[r][0] = Dtype::pack(px[0], px[1]);
+            p[r][1] = Dtype::pack(px[2], px[3]);
         }
-        if constexpr (!ROWS16) p[1] = p[3] = 0u;
-        // 5) O = O * correction + P . V, one mma per 8-dim tile; B pairs tokens (2t, 2t + 1) and (2t + 8, 2t + 9).
+        // 4) O^T = O^T * correction + V^T . P^T: A pairs tokens (2t, 2t + 1) and (2t + 8, 2t + 9) of dims
+        //    rows g (low halves) and g + 8 (high halves); each lane scales its columns, heads 2t and 2t + 1,
+        //    by their rows' corrections (held by lanes 8t and 8t + 4).
 #pragma unroll
-        for (int j = 0; j < NTILES; j++) {
-            const int c = j / 8, w = (j % 8) / 2;  // chunk and word of dim column g of tile j
-            const unsigned int* v0 = reinterpret_cast<const unsigned int*>(&vw[0][c]);
-            const unsigned int* v1 = reinterpret_cast<const unsigned int*>(&vw[1][c]);
-            const unsigned int* v2 = reinterpret_cast<const unsigned int*>(&vw[2][c]);
-            const unsigned int* v3 = reinterpret_cast<const unsigned int*>(&vw[3][c]);
-            unsigned int b[2];
-            if (j % 2) {
-                b[0] = pair_halves<true>(v0[w], v1[w]);
-                b[1] = pair_halves<true>(v2[w], v3[w]);
-            } else {
-                b[0] = pair_halves<false>(v0[w], v1[w]);
-                b[1] = pair_halves<false>(v2[w], v3[w]);
+        for (int x = 0; x < HTILES; x++) {
+            const float corr0 = __shfl_sync(0xffffffffu, correction[x], 8 * t);
+            const float corr1 = __shfl_sync(0xffffffffu, correction[x], 8 * t + 4);
+#pragma unroll
+            for (int j = 0; j < MTILES; j++) {
+                const int c = j / 4, w = j % 4;  // chunk and word of tile j's dims (rows g, g + 8)
+                const unsigned int* v0 = reinterpret_cast<const unsigned int*>(&vw[0][c]);
+                const unsigned int* v1 = reinterpret_cast<const unsigned int*>(&vw[1][c]);
+                const unsigned int* v2 = reinterpret_cast<const unsigned int*>(&vw[2][c]);
+                const unsigned int* v3 = reinterpret_cast<const unsigned int*>(&vw[3][c]);
+                const unsigned int a[4] = {pair_halves<false>(v0[w], v1[w]), pair_halves<true>(v0[w], v1[w]),
+                                           pair_halves<false>(v2[w], v3[w]), pair_halves<true>(v2[w], v3[w])};
+                const float cin[4] = {acc[x][j][0] * corr0, acc[x][j][1] * corr1, acc[x][j][2] * corr0,
+                                      acc[x][j][3] * corr1};
+                mma_16816<Dtype>(acc[x][j], a, p[x], cin);
             }
-            const float cin[4] = {acc[j][0] * correction[0], acc[j][1] * correction[0],
-                                  ROWS16 ? acc[j][2] * correction[ROWS16 ? 1 : 0] : 0.0f,
-                                  ROWS16 ? acc[j][3] * correction[ROWS16 ? 1 : 0] : 0.0f};
-            mma_16816<Dtype>(acc[j], p, b, cin);
         }
+        if (next < t_end) load_v(next, page_next);  // vw is free
+        page_next = page_after;
     }
 
-    // 6) Each row's sum over its quad; then the warps' partial results through shared memory:
+    // 5) Each row's sum over its quad; then the warps' partial results through shared memory:
     //    [NUM_WARPS][ROWS] maxes and sums, then [NUM_WARPS][ROWS][HEAD] outputs.
 #pragma unroll
     for (int r = 0; r < 2; r++) {
@@ -373,19 +408,23 @@ __device__ void attend(VLLMINI_V6_PARAMS) {
     float* warp_l = smem + NUM_WARPS * ROWS;
     float* warp_acc = smem + 2 * NUM_WARPS * ROWS;
 #pragma unroll
-    for (int r = 0; r < (ROWS16 ? 2 : 1); r++) {
+    for (int r = 0; r < HTILES; r++) {
         const int row = g + 8 * r;
-        if (row < heads_per_block) {
-            if (t == 0) {
-                warp_m[warp * ROWS + row] = m[r];
-                warp_l[warp * ROWS + row] = l[r];
-            }
+        if (row < heads_per_block && t == 0) {
+            warp_m[warp * ROWS + row] = m[r];
+            warp_l[warp * ROWS + row] = l[r];
+        }
+    }
 #pragma unroll
-            for (int j = 0; j < NTILES; j++) {
+    for (int x = 0; x < HTILES; x++) {
 #pragma unroll
-                for (int e = 0; e < 2; e++) {  // column 2t + e of tile j
-                    const int d = 64 * (j / 8) + 8 * (2 * t + e) + j % 8;
-                    warp_acc[(warp * ROWS + row) * HEAD + d] = acc[j][2 * r + e];
+        for (int e = 0; e < 4; e++) {  // head 8x + 2t + e % 2, dim row g + 8 (e / 2) of each tile
+            const int head = 8 * x + 2 * t + e % 2;
+            if (head < heads_per_block) {
+#pragma unroll
+                for (int j = 0; j < MTILES; j++) {
+                    const int d = 8 * (8 * (j / 4) + g) + 2 * (j % 4) + e / 2;
+                    warp_acc[(warp * ROWS + head) * HEAD + d] = acc[x][j][e];
                 }
             }
         }
