@@ -382,3 +382,4 @@ inline long long clock64() { static long long t = 0; return t += 1; }
 #undef assert
 #define assert(e) ((e) ? (void)0 : ::__emu::fail(__FILE__, __LINE__, "assert(%s) failed", #e))
 #undef EMU_HERE
+#include "emu_mma.h"  // the tensor-core product mma.sync m16n8k16 (a warp collective)
