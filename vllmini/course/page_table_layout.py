@@ -14,7 +14,7 @@ source of a pending copy).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from vllmini.allocator import BlockAllocator
 from vllmini.checks import as_int, cdiv
@@ -162,7 +162,7 @@ def _logical_boxes(snap: Snapshot, places: Places, colors: dict, show_numbers: b
         numbers = tuple(i * bs + j if j < filled else "" for j in range(bs)) if show_numbers else None
         look = Look("logical", (colors[s],), filled, colors[s], 1.6)
         at = {"x": 0.0, "y": row, "cell": places.cell, "slots": bs, "numbers": numbers}
-        out.boxes.append(Box(**vars(look), **at, gid=f"logical:{s}:{i}", block_id=block_ids[i]))
+        out.boxes.append(Box(**asdict(look), **at, gid=f"logical:{s}:{i}", block_id=block_ids[i]))
         out.labels.append(Label(-0.25, row + MID, f"L{i}", "#444444", ha="right"))
     for k, row, hidden in places.logical_gaps:
         out.labels.append(Label(0.2, row + MID, f"⋮ {plural(hidden, 'more block')}", colors[snap.seqs[k][0]]))
@@ -180,7 +180,7 @@ def _pool_boxes(snap, places, styles, show_numbers, highlight, out: PageTableLay
             out.glows.append((b, x, y, bs * places.cell))
         numbers = tuple(b * bs + j for j in range(bs)) if show_numbers else None
         at = {"x": x, "y": y, "cell": places.cell, "slots": bs, "numbers": numbers, "block_id": b}
-        box = Box(**vars(look), **at, gid=f"physical:{b}", ref_count=len(snap.owners.get(b, ())))
+        box = Box(**asdict(look), **at, gid=f"physical:{b}", ref_count=len(snap.owners.get(b, ())))
         out.boxes.append(box)
         color = LABEL_COLORS.get(look.kind, "black")
         out.labels.append(Label(x + box.width + 0.25, y + MID, label, color, bold=look.kind == "shared"))
