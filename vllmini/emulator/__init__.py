@@ -53,9 +53,9 @@ Checked mode, `RawKernel(..., checked=True)`: see CHECKED_MODE below.
 """
 
 from vllmini.emulator._build import CompileError, cache_dir
-from vllmini.emulator._checked import OutOfBoundsError
 from vllmini.emulator._kernel import RawKernel, RawModule
-from vllmini.emulator._launch import TIME_LIMIT_ENV, KernelError
+from vllmini.emulator._launch import TIME_LIMIT_ENV
+from vllmini.emulator._report import KernelError, OutOfBoundsError, RaceError
 
 CHECKED_MODE = """\
 Checked mode (RawKernel(code, name, checked=True)) builds the kernel with AddressSanitizer into a small
@@ -91,6 +91,7 @@ __all__ = [
     "CompileError",
     "KernelError",
     "OutOfBoundsError",
+    "RaceError",
     "RawKernel",
     "RawModule",
     "TIME_LIMIT_ENV",

@@ -127,6 +127,7 @@ struct Launch {
 };
 inline Launch L;
 inline char error_message[4096];
+inline int checking = 0;  // what the memory checks do now (emu_check.h): 0 while the runtime's code runs
 
 inline Fiber* self() { return static_cast<Fiber*>(cur); }
 
@@ -159,8 +160,19 @@ inline void to_scheduler() {  // a fiber gives control back to the scheduler
     abort();  // never resumed
 }
 
+inline void describe_thread(char* buf, size_t size, const Fiber* f) {
+    snprintf(buf, size, "thread (%u,%u,%u) of block (%u,%u,%u) [warp %d lane %d]", f->tid.x, f->tid.y, f->tid.z,
+             block_idx.x, block_idx.y, block_idx.z, f->lin / 32, f->lin % 32);
+}
+}  // namespace __emu
+#include "emu_check.h"  // bounds and race checks of kernel code's memory accesses
+namespace __emu {
+
 inline void to_fiber(Fiber* f) {  // the scheduler resumes a fiber
     cur = f;
+    thread_idx = f->tid;
+    stack_lo = reinterpret_cast<uintptr_t>(L.stacks[f->lin]);
+    stack_hi = stack_lo + L.stack_size;
 #ifdef EMU_ASAN
     void* fake = nullptr;
     __sanitizer_start_switch_fiber(&fake, L.stacks[f->lin], L.stack_size);
@@ -171,14 +183,11 @@ inline void to_fiber(Fiber* f) {  // the scheduler resumes a fiber
 #endif
 }
 
-inline void describe_thread(char* buf, size_t size, const Fiber* f) {
-    snprintf(buf, size, "thread (%u,%u,%u) of block (%u,%u,%u) [warp %d lane %d]", f->tid.x, f->tid.y, f->tid.z,
-             block_idx.x, block_idx.y, block_idx.z, f->lin / 32, f->lin % 32);
-}
 
 // Called from inside a fiber: record the error (naming thread `who`, unless an error came first) and
 // leave for good; the scheduler sees L.result and abandons the launch.
 [[noreturn]] inline void vfail(const Fiber* who, const char* file, int line, const char* format, va_list ap) {
+    checking = 0;
     if (!L.result) {
         char msg[3072], where[160];
         vsnprintf(msg, sizeof msg, format, ap);
@@ -215,6 +224,7 @@ inline const char* op_name(int op) {
 }
 
 inline unsigned int active_mask() {
+    Unchecked runtime;
     Fiber* f = self();
     int base = f->lin & ~31;
     unsigned int mask = 0;
@@ -244,6 +254,7 @@ inline void try_complete_collective(Fiber* f) {
                  lane, op_name(f->op), f->mask, f->width, f->line, l, op_name(g->op), g->mask, g->width, g->line);
     }
     // everyone is here: compute each lane's result
+    on_collective(base, f->mask);
     unsigned int votes = 0;
     for (int l = 0; l < 32; ++l)
         if (((f->mask >> l) & 1u) && L.fibers[base + l].value) votes |= 1u << l;
@@ -278,6 +289,7 @@ inline void try_complete_collective(Fiber* f) {
 
 unsigned long long warp_collective(int op, unsigned int mask, unsigned long long value, int arg, int width,
                                    const char* file, int line) {
+    Unchecked runtime;
     Fiber* f = self();
     const int lane = f->lin & 31;
     f->file = file;
@@ -321,9 +333,11 @@ inline void try_release_barrier(Fiber* f) {
         g.state = ST_RUN;
     }
     L.n_barrier = 0;
+    on_barrier();
 }
 
 int block_barrier(int kind, int pred, const char* file, int line) {
+    Unchecked runtime;
     Fiber* f = self();
     f->op = kind;
     f->value = pred;
@@ -340,7 +354,9 @@ inline void fiber_main() {
 #ifdef EMU_ASAN
     __sanitizer_finish_switch_fiber(nullptr, &L.main_bottom, &L.main_size);
 #endif
+    checking = checks_asked;
     L.entry(L.args);
+    checking = 0;
     Fiber* f = self();
     f->state = ST_DONE;
     L.n_done++;
@@ -356,22 +372,34 @@ extern "C" void emu_fiber_entry() { __emu::fiber_main(); }
 namespace __emu {
 
 // ---- shared memory poisoning: fill this module's thread-local storage with 0xFF bytes
-struct TlsRange { char* start = nullptr; size_t size = 0; };
+struct TlsRange {
+    char* start = nullptr;  // this library's thread-local storage: the running block's shared memory
+    size_t size = 0;
+    uintptr_t module_lo = 0, module_hi = 0;  // its loaded segments: code, constants, __device__ variables
+};
 #if defined(__linux__)
 inline int find_tls(struct dl_phdr_info* info, size_t, void* data) {
     auto* out = static_cast<TlsRange*>(data);
     uintptr_t me = reinterpret_cast<uintptr_t>(&find_tls);
     bool mine = false;
     size_t tls_size = 0;
+    uintptr_t module_lo = UINTPTR_MAX, module_hi = 0;
     for (int i = 0; i < info->dlpi_phnum; ++i) {
         const auto& ph = info->dlpi_phdr[i];
         if (ph.p_type == PT_LOAD && me >= info->dlpi_addr + ph.p_vaddr && me < info->dlpi_addr + ph.p_vaddr + ph.p_memsz)
             mine = true;
+        if (ph.p_type == PT_LOAD) {
+            uintptr_t lo = info->dlpi_addr + ph.p_vaddr, hi = lo + ph.p_memsz;
+            module_lo = std::min(module_lo, lo);
+            module_hi = std::max(module_hi, hi);
+        }
         if (ph.p_type == PT_TLS) tls_size = ph.p_memsz;
     }
     if (!mine) return 0;
     out->start = static_cast<char*>(info->dlpi_tls_data);
     out->size = tls_size;
+    out->module_lo = module_lo;
+    out->module_hi = module_hi;
     return 1;
 }
 #endif
@@ -439,6 +467,7 @@ inline void fill_stack(Fiber& f) {  // a fresh start: the fiber's first switch e
 // schedule: 0 = in order, 1 = reverse, 2 = seeded shuffle redrawn on every pass. Returns L.result.
 inline int run_block(int schedule, TlsRange shared) {
     if (shared.start) memset(shared.start, 0xff, shared.size);
+    on_barrier();  // nothing of the block before orders anything of this one
     L.n_done = L.n_barrier = 0;
     for (Fiber& f : L.fibers) {
         f.state = ST_RUN;
@@ -456,6 +485,7 @@ inline int run_block(int schedule, TlsRange shared) {
             if (f->state != ST_RUN) continue;
             to_fiber(f);
             cur = nullptr;
+            checking = 0;
             progressed = true;
             if (L.result) return L.result;
         }
@@ -510,6 +540,7 @@ inline void request_stop(unsigned long long id, int reason) {
 
 [[noreturn]] inline void stop_now() {  // on the launching thread: say where the launch was, then leave
     in_grid = 0;
+    checking = 0;  // it may have interrupted kernel code
     L.result = stop_reason;
     int len = snprintf(error_message, sizeof error_message, "%s in block (%u,%u,%u) of grid (%u,%u,%u) (%llu blocks "
                        "finished before it)", L.result == TIME_LIMIT ? "time limit reached" : "interrupted",
@@ -531,30 +562,68 @@ inline void on_stop_signal(int) {
     if (in_grid && stop_id == L.id) stop_now();  // else run_grid sees stop_id before its next block
 }
 
-struct SavedHandlers { stack_t alt_stack; struct sigaction segv, bus, stop; };
+struct SavedHandlers { stack_t alt_stack; struct sigaction segv, bus, fpe, ill, stop; };
 inline SavedHandlers saved;  // the handlers a launch replaced, put back when it ends
+inline struct sigaction* saved_action(int sig) {
+    return sig == SIGBUS ? &saved.bus : sig == SIGFPE ? &saved.fpe : sig == SIGILL ? &saved.ill : &saved.segv;
+}
+constexpr int FAULT_SIGNALS[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL};  // a kernel's fault: KernelError, never a crash
 
-inline void on_fault(int sig, siginfo_t* info, void*) {
+// Where the faulting instruction is, as an offset into this library + 1 (0: unknown or elsewhere, e.g. libc).
+inline unsigned long long fault_pc(void* context) {
+    uintptr_t pc = 0;
+#if defined(__linux__) && defined(__x86_64__)
+    pc = static_cast<uintptr_t>(static_cast<ucontext_t*>(context)->uc_mcontext.gregs[REG_RIP]);
+#elif defined(__linux__) && defined(__aarch64__)
+    pc = static_cast<uintptr_t>(static_cast<ucontext_t*>(context)->uc_mcontext.pc);
+#endif
+    Dl_info where{};
+    if (!pc || !module_base || !dladdr(reinterpret_cast<void*>(pc), &where) ||
+        reinterpret_cast<uintptr_t>(where.dli_fbase) != module_base)
+        return 0;
+    return pc - module_base + 1;
+}
+
+inline const char* signal_text(int sig, int code) {
+    switch (sig) {
+        case SIGFPE:
+            return code == FPE_INTDIV || code == FPE_INTOVF
+                       ? "integer division by zero (SIGFPE: x / 0 or x % 0 on integers, or INT_MIN / -1)"
+                       : "arithmetic exception (SIGFPE)";
+        case SIGILL: return "illegal instruction (SIGILL)";
+        case SIGBUS: return "bus error (SIGBUS)";
+        default: return "segmentation fault";
+    }
+}
+
+inline void on_fault(int sig, siginfo_t* info, void* context) {
     if (!in_grid || !pthread_equal(pthread_self(), launch_thread)) {
         // not the kernel's fault (another thread's): the old handler takes it when the instruction faults again
-        sigaction(sig, sig == SIGBUS ? &saved.bus : &saved.segv, nullptr);
+        sigaction(sig, saved_action(sig), nullptr);
         return;
     }
+    checking = 0;
     char where[160] = "the launcher";
     if (cur) describe_thread(where, sizeof where, self());
     const char* addr = static_cast<const char*>(info->si_addr);
     long page = sysconf(_SC_PAGESIZE);
     bool overflow = false;
-    for (char* stack : L.stacks) overflow |= addr >= stack - page && addr < stack;
+    for (char* stack : L.stacks) overflow |= sig == SIGSEGV && addr >= stack - page && addr < stack;
+    memset(error_info, 0, sizeof error_info);
+    error_info[0] = ERR_SIGNAL;
+    error_info[1] = reinterpret_cast<uintptr_t>(addr);
+    error_info[4] = fault_pc(context);
+    error_info[11] = sig;
     if (overflow)
         snprintf(error_message, sizeof error_message,
                  "%s: stack overflow: the thread's local variables need more than the %zu KiB fiber stack "
                  "(set VLLMINI_EMULATOR_STACK_KB to more)", where, L.stack_size / 1024);
-    else
+    else if (sig == SIGSEGV || sig == SIGBUS)
         snprintf(error_message, sizeof error_message,
                  "%s: %s at address %p: the kernel touched memory it does not own (an index out of bounds?); "
-                 "run it with checked=True to find the line", where, sig == SIGBUS ? "bus error" : "segmentation fault",
-                 info->si_addr);
+                 "run it with checked=True to find the line", where, signal_text(sig, info->si_code), info->si_addr);
+    else
+        snprintf(error_message, sizeof error_message, "%s: %s", where, signal_text(sig, info->si_code));
     in_grid = 0;
     L.result = KERNEL_ERROR;
     siglongjmp(abandon, 1);
@@ -564,8 +633,7 @@ inline void on_fault(int sig, siginfo_t* info, void*) {
 inline void install_handlers() {
     struct sigaction action{};
     sigemptyset(&action.sa_mask);
-    sigaddset(&action.sa_mask, SIGSEGV);  // the handlers never interrupt each other
-    sigaddset(&action.sa_mask, SIGBUS);
+    for (int sig : FAULT_SIGNALS) sigaddset(&action.sa_mask, sig);  // the handlers never interrupt each other
     sigaddset(&action.sa_mask, EMU_STOP_SIGNAL);
     action.sa_flags = SA_ONSTACK;
     action.sa_handler = on_stop_signal;
@@ -578,8 +646,7 @@ inline void install_handlers() {
     sigaltstack(&stack, &saved.alt_stack);
     action.sa_flags = SA_SIGINFO | SA_ONSTACK;
     action.sa_sigaction = on_fault;
-    sigaction(SIGSEGV, &action, &saved.segv);
-    sigaction(SIGBUS, &action, &saved.bus);
+    for (int sig : FAULT_SIGNALS) sigaction(sig, &action, saved_action(sig));
 #endif
 }
 
@@ -591,13 +658,13 @@ inline void restore_handlers() {
     sigaction(EMU_STOP_SIGNAL, &ignore, nullptr);
     sigaction(EMU_STOP_SIGNAL, &saved.stop, nullptr);
 #ifndef EMU_ASAN
-    sigaction(SIGSEGV, &saved.segv, nullptr);
-    sigaction(SIGBUS, &saved.bus, nullptr);
+    for (int sig : FAULT_SIGNALS) sigaction(sig, saved_action(sig), nullptr);
     sigaltstack(&saved.alt_stack, nullptr);
 #endif
 }
 
 int kernel_printf(const char* format, ...) {  // blocks the stop signal while stdio holds its lock
+    Unchecked runtime;
     sigset_t stop, old;
     sigemptyset(&stop);
     sigaddset(&stop, EMU_STOP_SIGNAL);
@@ -627,6 +694,7 @@ inline bool prepare(void (*entry)(void**), void** args, const unsigned int grid[
     L.result = OK;
     L.blocks_done = 0;
     error_message[0] = 0;
+    memset(error_info, 0, sizeof error_info);
     L.entry = entry;
     L.args = args;
     L.id = id;
@@ -659,6 +727,10 @@ inline int launch(void (*entry)(void**), void** args, const unsigned int grid[3]
                   int schedule, unsigned long long seed, unsigned long long id) {
     if (!prepare(entry, args, grid, block, schedule, seed, id)) return KERNEL_ERROR;
     TlsRange shared = shared_memory_range();
+    if (!begin_checks(shared.start, shared.size, shared.module_lo, shared.module_hi)) {
+        end_checks();
+        return KERNEL_ERROR;
+    }
     install_handlers();
     set_running(id);
     if (sigsetjmp(abandon, 1) == 0) {
@@ -666,6 +738,7 @@ inline int launch(void (*entry)(void**), void** args, const unsigned int grid[3]
         run_grid(grid, schedule, shared);
     }
     in_grid = 0;
+    end_checks();
     set_running(0);  // from here on, request_stop sends no signal
     restore_handlers();
     cur = nullptr;
@@ -722,11 +795,11 @@ template <class... A> inline std::string signature(void (*)(A...)) {
     return s;
 }
 template <class... A, size_t... I>
-inline void invoke(void (*k)(A...), void** a, std::index_sequence<I...>) {
+EMU_UNCHECKED inline void invoke(void (*k)(A...), void** a, std::index_sequence<I...>) {
     k(*static_cast<std::remove_cv_t<A>*>(a[I])...);
 }
 // Call kernel k with arguments a[i] (each a pointer to the value, as in cuLaunchKernel's kernelParams).
-template <class... A> inline void call(void (*k)(A...), void** a) { invoke(k, a, std::index_sequence_for<A...>()); }
+template <class... A> EMU_UNCHECKED inline void call(void (*k)(A...), void** a) { invoke(k, a, std::index_sequence_for<A...>()); }
 
 struct KernelEntry { const char* name; void (*entry)(void**); std::string (*signature)(); };
 
