@@ -291,7 +291,9 @@ def test_exited_lane_in_mask_raises(errors):
 def test_memory_faults_raise_instead_of_crashing(errors):
     x, out = torch.zeros(4), torch.zeros(4)
     # a wild index is stopped before the access, by the bounds check of every launch
-    with pytest.raises(OutOfBoundsError, match=r"errors.cu:\d+: thread \(0,0,0\).*read of 4 bytes out of bounds"):
+    with pytest.raises(
+        OutOfBoundsError, match=r"errors.cu:\d+: thread \(0,0,0\).*read of 4 bytes out of bounds"
+    ):
         errors.get_function("wild_read")(1, 4, (x, out, 1 << 40))
     # a raw address has no known extent (bounds are not checked): the fault itself is caught, with its line
     with pytest.raises(KernelError, match=r"errors.cu:\d+: thread .*segmentation fault at address 0x10\b"):

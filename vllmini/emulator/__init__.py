@@ -54,7 +54,7 @@ Checked mode, `RawKernel(..., checked=True)`: see CHECKED_MODE below.
 
 from vllmini.emulator._build import CompileError, cache_dir
 from vllmini.emulator._kernel import RawKernel, RawModule
-from vllmini.emulator._launch import TIME_LIMIT_ENV
+from vllmini.emulator._launch import RACECHECK_ENV, TIME_LIMIT_ENV
 from vllmini.emulator._report import KernelError, OutOfBoundsError, RaceError
 
 CHECKED_MODE = """\
@@ -91,6 +91,7 @@ __all__ = [
     "CompileError",
     "KernelError",
     "OutOfBoundsError",
+    "RACECHECK_ENV",
     "RaceError",
     "RawKernel",
     "RawModule",

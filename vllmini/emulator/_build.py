@@ -247,10 +247,21 @@ def compile_flags(version: str, flags: list[str], *, checked: bool) -> list[list
         if "clang" in version.lower():
             mode.append("-shared-libsan")  # the ASan runtime keeps its thread-locals out of our TLS block
         return [[*common, *mode, *link_dl]]
-    hooks = ["-fno-sanitize-thread-func-entry-exit"] if "clang" in version.lower() else [
-        "--param=tsan-instrument-func-entry-exit=0"
+    hooks = (
+        ["-fno-sanitize-thread-func-entry-exit"]
+        if "clang" in version.lower()
+        else ["--param=tsan-instrument-func-entry-exit=0"]
+    )
+    compile_step = [
+        *common,
+        "-c",
+        "-O2",
+        "-g1",
+        "-gdwarf-4",
+        "-fPIC",
+        "-fvisibility=hidden",
+        "-fvisibility-inlines-hidden",
     ]
-    compile_step = [*common, "-c", "-O2", "-g1", "-gdwarf-4", "-fPIC", "-fvisibility=hidden", "-fvisibility-inlines-hidden"]
     link_step = ["-shared", "-pthread", *link_dl]
     return [[*compile_step, "-fsanitize=thread", *hooks], link_step]
 
@@ -269,8 +280,8 @@ def build(
     headers = "".join((HERE / name).read_text() for name in HEADER_FILES)
     tu = translation_unit(code, filename, kernel_names, main=checked)
     compiler = os.stat(cxx)
-    key = _hash(BUILD_VERSION, tu, headers, repr(steps), cxx, version, f"{compiler.st_size}:{compiler.st_mtime_ns}",
-                sys.platform)  # fmt: skip
+    compiler_file = f"{compiler.st_size}:{compiler.st_mtime_ns}"
+    key = _hash(BUILD_VERSION, tu, headers, repr(steps), cxx, version, compiler_file, sys.platform)
     out_dir = private_cache_dir()
     target = out_dir / (f"{Path(filename).stem}-{key}" + (".asan" if checked else ".so"))
     if target.exists() and trusted(target):
@@ -283,7 +294,10 @@ def build(
         if checked:
             commands = [[cxx, *steps[0], str(src), "-o", str(out)]]
         else:
-            commands = [[cxx, *steps[0], str(src), "-o", str(obj)], [cxx, str(obj), *steps[1], "-o", str(out)]]
+            commands = [
+                [cxx, *steps[0], str(src), "-o", str(obj)],
+                [cxx, str(obj), *steps[1], "-o", str(out)],
+            ]
         for cmd in commands:
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
@@ -312,7 +326,9 @@ def private_cache_dir() -> Path:
 def trusted(path: Path) -> bool:
     """True when a cached build may be loaded: a file owned by this user that no one else may write."""
     info = path.lstat()
-    return path.is_file() and not path.is_symlink() and info.st_uid == os.getuid() and not info.st_mode & 0o022
+    return (
+        path.is_file() and not path.is_symlink() and info.st_uid == os.getuid() and not info.st_mode & 0o022
+    )
 
 
 def _compile_message(stderr: str, filename: str, checked: bool) -> str:

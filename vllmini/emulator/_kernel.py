@@ -11,7 +11,7 @@ from vllmini.checks import as_int
 from vllmini.emulator._args import Arg, convert
 from vllmini.emulator._build import DYNAMIC_SHARED_BYTES, KernelInfo, build, find_kernels, load
 from vllmini.emulator._checked import run_checked
-from vllmini.emulator._launch import launch_in_process, time_limit_seconds
+from vllmini.emulator._launch import launch_in_process, racecheck_default, time_limit_seconds
 from vllmini.emulator._report import KernelBinary, KernelError
 from vllmini.errors import InvalidArgumentError, InvalidTypeError
 
@@ -62,7 +62,8 @@ class RawKernel:
     kernel = RawKernel(code, "vector_add"); kernel((blocks,), (threads,), (x, y, out, np.int32(n)))
     Every launch checks each memory access against the buffer arguments (OutOfBoundsError, with the line).
     racecheck=True also reports two threads of a block that touch one byte between barriers, one writing,
-    neither atomic (RaceError; check_schedules does this too).
+    neither atomic (RaceError; check_schedules does this too); None: $VLLMINI_EMULATOR_RACECHECK=1 turns
+    it on for every launch (slower: a shadow byte record per byte of memory; use it in tests).
     checked=True runs every launch in an AddressSanitizer child process (also local arrays, stray pointers).
     schedule: "in_order" | "reverse" | an int seed (a seeded shuffle of the threads at every pass).
     time_limit: seconds a launch may take before KernelError (None: $VLLMINI_EMULATOR_TIME_LIMIT, else none).
@@ -78,7 +79,7 @@ class RawKernel:
         name: str,
         *,
         checked: bool = False,
-        racecheck: bool = False,
+        racecheck: bool | None = None,
         options: tuple[str, ...] = (),
         schedule: str | int = "in_order",
         filename: str | None = None,
@@ -100,7 +101,7 @@ class RawKernel:
                 f'kernels by name only: add an `extern "C"` kernel that calls it with the types you need'
             )
         self.code, self.name, self.checked, self.options = code, name, bool(checked), tuple(options)
-        self.racecheck = bool(racecheck)
+        self.racecheck = racecheck
         _schedule_code(schedule), time_limit_seconds(time_limit)  # checked now, used at every launch
         self.schedule, self.time_limit = schedule, time_limit
         self.filename = filename or _source_name(code) or f"{name}.cu"
@@ -147,7 +148,7 @@ class RawKernel:
         order = _schedule_code(self.schedule if schedule is None else schedule)
         limit = time_limit_seconds(self.time_limit if time_limit is None else time_limit)
         converted = self.convert(args)
-        racecheck = self.racecheck if racecheck is None else bool(racecheck)
+        racecheck = racecheck_default(self.racecheck if racecheck is None else racecheck)
         if self.checked and not racecheck:
             program = KernelBinary(self.path, self.index, self.name, self.filename, self.info.param_names)
             run_checked(program, converted, grid3, block3, order, limit)
@@ -226,7 +227,7 @@ class RawModule:
         *,
         options: tuple[str, ...] = (),
         checked: bool = False,
-        racecheck: bool = False,
+        racecheck: bool | None = None,
         schedule: str | int = "in_order",
         filename: str | None = None,
         time_limit: float | None = None,

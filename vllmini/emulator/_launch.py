@@ -12,12 +12,15 @@ import threading
 import time
 from contextlib import contextmanager
 
+import numpy as np
+
 from vllmini.checks import as_float
 from vllmini.emulator._args import Arg, regions
 from vllmini.emulator._report import KernelBinary, KernelError, launch_error
-from vllmini.errors import InvalidArgumentError
+from vllmini.errors import InvalidArgumentError, InvalidTypeError
 
 TIME_LIMIT_ENV = "VLLMINI_EMULATOR_TIME_LIMIT"  # seconds; the default time limit of every launch
+RACECHECK_ENV = "VLLMINI_EMULATOR_RACECHECK"  # "1": race-check every launch that does not say otherwise
 INTERRUPTED, TIME_LIMIT = 2, 3  # emu_launch results and emu_stop reasons (emu_runtime.h's Result)
 CHECK_BOUNDS, CHECK_RACES = 1, 2  # what a launch checks (emu_check.h's CheckBits)
 _STOP_GRACE_S = 5.0  # a stopped launch returns within microseconds; this long means something is broken
@@ -41,6 +44,18 @@ def time_limit_seconds(time_limit: float | None) -> float | None:
             ) from None
     seconds = as_float(time_limit, name, min=0.001, finite=False)
     return None if seconds == float("inf") else seconds
+
+
+def racecheck_default(racecheck: bool | None) -> bool:
+    """`racecheck`, else whether $VLLMINI_EMULATOR_RACECHECK asks for it ("1"/"0", empty: no)."""
+    if racecheck is not None:
+        if not isinstance(racecheck, (bool, np.bool_)):
+            raise InvalidTypeError(f"racecheck must be True, False or None, got {racecheck!r}")
+        return bool(racecheck)
+    text = os.environ.get(RACECHECK_ENV, "").strip()
+    if text not in ("", "0", "1"):
+        raise InvalidArgumentError(f"${RACECHECK_ENV} must be 1 or 0, got {text!r}")
+    return text == "1"
 
 
 @contextmanager

@@ -59,7 +59,13 @@ class RaceError(KernelError):
         lines: tuple[int | None, int | None],
     ):
         super().__init__(message)
-        self.memory, self.buffer, self.offset, self.threads, self.lines = memory, buffer, offset, threads, lines
+        self.memory, self.buffer, self.offset, self.threads, self.lines = (
+            memory,
+            buffer,
+            offset,
+            threads,
+            lines,
+        )
 
 
 @dataclass(frozen=True)
@@ -99,7 +105,9 @@ def _where(args: list[Arg], names: tuple[str, ...], address: int) -> tuple[str, 
         if arg.buffer is None:
             continue
         start, size = arg.buffer.address, arg.buffer.nbytes
-        distance = 0 if start <= address < start + size else min(abs(address - start), abs(address - start - size))
+        distance = (
+            0 if start <= address < start + size else min(abs(address - start), abs(address - start - size))
+        )
         if distance < _FAR and (best is None or distance < best[0]):
             best = (distance, name, address - start, size)
     return None if best is None else best[1:]
@@ -120,7 +128,9 @@ def launch_error(kernel: KernelBinary, message: str, info: list[int], args: list
         elif address < 65536:
             where = f"address {address:#x}, through a null pointer (an argument passed as None?)"
         else:
-            where = f"address {address:#x}, outside every buffer argument, shared memory and the thread's stack"
+            where = (
+                f"address {address:#x}, outside every buffer argument, shared memory and the thread's stack"
+            )
         text = f"{kernel.name}: {at}: {message}: {access} of {size} bytes out of bounds at {where}"
         buffer, offset = (found[0], found[1]) if found else ("", None)
         return OutOfBoundsError(text, access=access, buffer=buffer, offset=offset, line=line)
@@ -128,12 +138,14 @@ def launch_error(kernel: KernelBinary, message: str, info: list[int], args: list
         thread, other = message.split("|")
         other_line = kernel.line(info[6])
         found = None if info[9] else _where(args, kernel.param_names, address)
-        where = "shared memory" if info[9] else f"byte offset {found[1]} of `{found[0]}`" if found else "memory"
+        where = (
+            "shared memory" if info[9] else f"byte offset {found[1]} of `{found[0]}`" if found else "memory"
+        )
         other_at = f"{kernel.filename}:{other_line}" if other_line else "another line"
         text = (
             f"{kernel.name}: {at}: race on {where}: {thread} {'writes' if write else 'reads'} it here, and "
-            f"{other} {'wrote' if info[8] else 'read'} it at {other_at}, with no __syncthreads() between them "
-            f"(nor a warp collective both took part in), and neither access is atomic"
+            f"{other} {'wrote' if info[8] else 'read'} it at {other_at}, with no __syncthreads() between "
+            f"them (nor a warp collective both took part in), and neither access is atomic"
         )
         return RaceError(
             text,

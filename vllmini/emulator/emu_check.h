@@ -39,7 +39,8 @@ constexpr int MAX_SPANS = 64;
 
 inline int checks_asked = 0;  // what Python asked for the next launch (CheckBits)
 inline Span spans[MAX_SPANS];
-inline int n_spans = 0, n_buffers = 0, last_span = 0;
+inline int n_spans = 0, n_buffers = 0;
+inline unsigned char site_span[1024];  // per access site (hashed return address): the span it last touched
 inline uintptr_t stack_lo = 0, stack_hi = 0;  // the running thread's fiber stack
 inline uintptr_t module_base = 0;             // where this library is loaded (return addresses -> offsets)
 inline uint32_t sync_time = 1, barrier_time = 1;  // sync events so far; the last __syncthreads() (or block start)
@@ -56,13 +57,13 @@ EMU_UNCHECKED inline uint32_t pc_offset(const void* pc) {
     return static_cast<uint32_t>(reinterpret_cast<uintptr_t>(pc) - module_base);
 }
 
-EMU_UNCHECKED inline Span* find_span(uintptr_t a, size_t size, bool write) {
+EMU_UNCHECKED inline Span* find_span(uintptr_t a, size_t size, bool write, unsigned char& cached) {
     Span* inside = nullptr;
     for (int i = 0; i < n_spans; ++i) {
         Span* s = &spans[i];
         if (a < s->lo || a + size > s->hi) continue;
         if (s->writable || !write) {
-            last_span = i;
+            cached = static_cast<unsigned char>(i);
             return s;
         }
         inside = s;
@@ -104,10 +105,11 @@ EMU_UNCHECKED inline void race_check(const Span* s, uintptr_t a, size_t size, bo
 // Every checked access goes through here (atomic: bounds only, never a race).
 EMU_UNCHECKED inline void access(const void* p, size_t size, bool write, const void* pc, bool atomic = false) {
     const uintptr_t a = reinterpret_cast<uintptr_t>(p);
-    Span* s = &spans[last_span];
+    unsigned char& cached = site_span[(reinterpret_cast<uintptr_t>(pc) >> 2) & 1023];  // one site: one span, mostly
+    Span* s = &spans[cached];
     if (!(a >= s->lo && a + size <= s->hi && (s->writable || !write))) {
         if (a >= stack_lo && a + size <= stack_hi) return;  // the thread's own locals: private, never a race
-        s = find_span(a, size, write);
+        s = find_span(a, size, write, cached);
         if (s == nullptr || (write && !s->writable)) {
             if (checking & CHECK_BOUNDS) out_of_bounds(a, size, write, pc, s != nullptr);
             return;
@@ -267,7 +269,7 @@ inline unsigned long long error_info[16];
 EMU_UNCHECKED inline bool begin_checks(char* shared_lo, size_t shared_size, uintptr_t module_lo, uintptr_t module_hi) {
     memset(error_info, 0, sizeof error_info);
     n_spans = n_buffers;
-    last_span = 0;
+    memset(site_span, 0, sizeof site_span);
     if (shared_lo) spans[n_spans++] = Span{reinterpret_cast<uintptr_t>(shared_lo),
                                            reinterpret_cast<uintptr_t>(shared_lo) + shared_size, true, true, nullptr};
     Dl_info self_info{};

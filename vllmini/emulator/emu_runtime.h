@@ -109,10 +109,13 @@ struct Launch {
     void (*entry)(void**) = nullptr;
     void** args = nullptr;
     unsigned long long id = 0;  // Python's number for this launch, which emu_stop names
-    std::vector<Fiber> fibers;
-    std::vector<char*> stacks;
+    // plain arrays, not std::vector: the runtime's code is compiled without the per-access checks
+    // (EMU_UNCHECKED), and a std::vector method would not be inlined into it (see emu_check.h)
+    Fiber fibers[1024];       // the block's threads (CUDA allows at most 1024), n of them in use
+    char* stacks[1024] = {};  // their stacks, kept for later launches; n_stacks made so far
+    int n_stacks = 0;
     size_t stack_size = 0;
-    std::vector<int> order;
+    int order[1024] = {};
     int n = 0, n_done = 0, n_barrier = 0;
     int result = OK;
     unsigned long long blocks_done = 0;
@@ -129,7 +132,13 @@ inline Launch L;
 inline char error_message[4096];
 inline int checking = 0;  // what the memory checks do now (emu_check.h): 0 while the runtime's code runs
 
-inline Fiber* self() { return static_cast<Fiber*>(cur); }
+EMU_UNCHECKED inline Fiber* self() { return static_cast<Fiber*>(cur); }
+template <class T> struct Span_of {  // a range-for over part of an array
+    T *b, *e;
+    EMU_UNCHECKED T* begin() const { return b; }
+    EMU_UNCHECKED T* end() const { return e; }
+};
+EMU_UNCHECKED inline Span_of<Fiber> fibers_in_use() { return {L.fibers, L.fibers + L.n}; }
 
 #ifdef EMU_FAST_SWITCH
 #define EMU_SWAP_TO_SCHEDULER(f) emu_switch(&(f)->sp, L.scheduler_sp)
@@ -139,7 +148,7 @@ inline Fiber* self() { return static_cast<Fiber*>(cur); }
 #define EMU_SWAP_TO_FIBER(f) swapcontext(&L.scheduler, &(f)->ctx)
 #endif
 
-inline void to_scheduler() {  // a fiber gives control back to the scheduler
+EMU_UNCHECKED inline void to_scheduler() {  // a fiber gives control back to the scheduler
     Fiber* f = self();
 #ifdef EMU_ASAN
     void* fake = nullptr;
@@ -151,7 +160,7 @@ inline void to_scheduler() {  // a fiber gives control back to the scheduler
 #endif
 }
 
-[[noreturn]] inline void to_scheduler_final() {  // a fiber that has finished leaves for good
+[[noreturn]] EMU_UNCHECKED inline void to_scheduler_final() {  // a fiber that has finished leaves for good
     Fiber* f = self();
 #ifdef EMU_ASAN
     __sanitizer_start_switch_fiber(nullptr, L.main_bottom, L.main_size);
@@ -160,7 +169,7 @@ inline void to_scheduler() {  // a fiber gives control back to the scheduler
     abort();  // never resumed
 }
 
-inline void describe_thread(char* buf, size_t size, const Fiber* f) {
+EMU_UNCHECKED inline void describe_thread(char* buf, size_t size, const Fiber* f) {
     snprintf(buf, size, "thread (%u,%u,%u) of block (%u,%u,%u) [warp %d lane %d]", f->tid.x, f->tid.y, f->tid.z,
              block_idx.x, block_idx.y, block_idx.z, f->lin / 32, f->lin % 32);
 }
@@ -168,7 +177,7 @@ inline void describe_thread(char* buf, size_t size, const Fiber* f) {
 #include "emu_check.h"  // bounds and race checks of kernel code's memory accesses
 namespace __emu {
 
-inline void to_fiber(Fiber* f) {  // the scheduler resumes a fiber
+EMU_UNCHECKED inline void to_fiber(Fiber* f) {  // the scheduler resumes a fiber
     cur = f;
     thread_idx = f->tid;
     stack_lo = reinterpret_cast<uintptr_t>(L.stacks[f->lin]);
@@ -186,7 +195,7 @@ inline void to_fiber(Fiber* f) {  // the scheduler resumes a fiber
 
 // Called from inside a fiber: record the error (naming thread `who`, unless an error came first) and
 // leave for good; the scheduler sees L.result and abandons the launch.
-[[noreturn]] inline void vfail(const Fiber* who, const char* file, int line, const char* format, va_list ap) {
+[[noreturn]] EMU_UNCHECKED inline void vfail(const Fiber* who, const char* file, int line, const char* format, va_list ap) {
     checking = 0;
     if (!L.result) {
         char msg[3072], where[160];
@@ -198,18 +207,18 @@ inline void to_fiber(Fiber* f) {  // the scheduler resumes a fiber
     self()->state = ST_DONE;
     to_scheduler_final();
 }
-[[noreturn]] inline void fail_as(const Fiber* who, const char* file, int line, const char* format, ...) {
+[[noreturn]] EMU_UNCHECKED inline void fail_as(const Fiber* who, const char* file, int line, const char* format, ...) {
     va_list ap;
     va_start(ap, format);
     vfail(who, file, line, format, ap);
 }
-[[noreturn]] void fail(const char* file, int line, const char* format, ...) {
+[[noreturn]] EMU_UNCHECKED void fail(const char* file, int line, const char* format, ...) {
     va_list ap;
     va_start(ap, format);
     vfail(self(), file, line, format, ap);
 }
 
-inline const char* op_name(int op) {
+EMU_UNCHECKED inline const char* op_name(int op) {
     switch (op) {
         case OP_SHFL_IDX: return "__shfl_sync";
         case OP_SHFL_UP: return "__shfl_up_sync";
@@ -223,7 +232,7 @@ inline const char* op_name(int op) {
     }
 }
 
-inline unsigned int active_mask() {
+EMU_UNCHECKED inline unsigned int active_mask() {
     Unchecked runtime;
     Fiber* f = self();
     int base = f->lin & ~31;
@@ -234,7 +243,7 @@ inline unsigned int active_mask() {
 }
 
 // Complete the collective that thread f just arrived at, if every lane of its mask is there.
-inline void try_complete_collective(Fiber* f) {
+EMU_UNCHECKED inline void try_complete_collective(Fiber* f) {
     const int base = f->lin & ~31, lane = f->lin & 31;
     for (int l = 0; l < 32; ++l) {
         if (!((f->mask >> l) & 1u)) continue;
@@ -287,7 +296,7 @@ inline void try_complete_collective(Fiber* f) {
         if ((f->mask >> l) & 1u) L.fibers[base + l].state = ST_RUN;
 }
 
-unsigned long long warp_collective(int op, unsigned int mask, unsigned long long value, int arg, int width,
+EMU_UNCHECKED unsigned long long warp_collective(int op, unsigned int mask, unsigned long long value, int arg, int width,
                                    const char* file, int line) {
     Unchecked runtime;
     Fiber* f = self();
@@ -310,7 +319,7 @@ unsigned long long warp_collective(int op, unsigned int mask, unsigned long long
     return f->result;
 }
 
-inline void try_release_barrier(Fiber* f) {
+EMU_UNCHECKED inline void try_release_barrier(Fiber* f) {
     if (L.n_barrier + L.n_done < L.n) return;
     if (L.n_done > 0) {
         int first = -1;
@@ -322,13 +331,13 @@ inline void try_release_barrier(Fiber* f) {
              L.n_barrier, L.n_done, first);
     }
     int count = 0;
-    for (auto& g : L.fibers) {
+    for (Fiber& g : fibers_in_use()) {
         if (g.line != f->line || strcmp(g.file, f->file))
             fail_as(f, f->file, f->line, "threads wait at different __syncthreads(): thread %d at line %d, thread %d at line %d",
                  f->lin, f->line, g.lin, g.line);
         count += g.value != 0;
     }
-    for (auto& g : L.fibers) {
+    for (Fiber& g : fibers_in_use()) {
         g.result = g.op == 1 ? count : g.op == 2 ? count == L.n : g.op == 3 ? count > 0 : 0;
         g.state = ST_RUN;
     }
@@ -336,7 +345,7 @@ inline void try_release_barrier(Fiber* f) {
     on_barrier();
 }
 
-int block_barrier(int kind, int pred, const char* file, int line) {
+EMU_UNCHECKED int block_barrier(int kind, int pred, const char* file, int line) {
     Unchecked runtime;
     Fiber* f = self();
     f->op = kind;
@@ -350,7 +359,7 @@ int block_barrier(int kind, int pred, const char* file, int line) {
     return static_cast<int>(f->result);
 }
 
-inline void fiber_main() {
+EMU_UNCHECKED inline void fiber_main() {
 #ifdef EMU_ASAN
     __sanitizer_finish_switch_fiber(nullptr, &L.main_bottom, &L.main_size);
 #endif
@@ -362,13 +371,13 @@ inline void fiber_main() {
     L.n_done++;
     // a thread that returns may complete a barrier (an error: see try_release_barrier)
     if (L.n_barrier > 0)
-        for (auto& g : L.fibers)
+        for (Fiber& g : fibers_in_use())
             if (g.state == ST_BARRIER) { try_release_barrier(&g); break; }
     to_scheduler_final();
 }
 
 }  // namespace __emu
-extern "C" void emu_fiber_entry() { __emu::fiber_main(); }
+extern "C" EMU_UNCHECKED void emu_fiber_entry() { __emu::fiber_main(); }
 namespace __emu {
 
 // ---- shared memory poisoning: fill this module's thread-local storage with 0xFF bytes
@@ -378,7 +387,7 @@ struct TlsRange {
     uintptr_t module_lo = 0, module_hi = 0;  // its loaded segments: code, constants, __device__ variables
 };
 #if defined(__linux__)
-inline int find_tls(struct dl_phdr_info* info, size_t, void* data) {
+EMU_UNCHECKED inline int find_tls(struct dl_phdr_info* info, size_t, void* data) {
     auto* out = static_cast<TlsRange*>(data);
     uintptr_t me = reinterpret_cast<uintptr_t>(&find_tls);
     bool mine = false;
@@ -404,7 +413,7 @@ inline int find_tls(struct dl_phdr_info* info, size_t, void* data) {
 }
 #endif
 inline thread_local char tls_anchor;  // touching it makes the loader allocate this module's TLS block
-inline TlsRange shared_memory_range() {
+EMU_UNCHECKED inline TlsRange shared_memory_range() {
     TlsRange range;
     tls_anchor = 1;
 #if defined(__linux__)
@@ -413,7 +422,7 @@ inline TlsRange shared_memory_range() {
     return range;  // elsewhere (macOS): not found, shared memory is not poisoned
 }
 
-inline unsigned long long next_random() {  // splitmix64
+EMU_UNCHECKED inline unsigned long long next_random() {  // splitmix64
     unsigned long long z = (L.rng += 0x9e3779b97f4a7c15ull);
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
@@ -422,9 +431,9 @@ inline unsigned long long next_random() {  // splitmix64
 
 // Append to msg what the threads of the block that wait at a barrier or collective wait for (at most 6),
 // the first after `lead`.
-inline int describe_waiting(char* msg, int len, int size, const char* lead) {
+EMU_UNCHECKED inline int describe_waiting(char* msg, int len, int size, const char* lead) {
     int shown = 0;
-    for (auto& g : L.fibers) {
+    for (Fiber& g : fibers_in_use()) {
         if ((g.state != ST_BARRIER && g.state != ST_WARP) || shown >= 6 || len >= size - 200) continue;
         len += snprintf(msg + len, size - len, "%sthread %d waits at %s (%s:%d)", shown ? "; " : lead, g.lin,
                         g.state == ST_BARRIER ? "__syncthreads()" : op_name(g.op), g.file, g.line);
@@ -443,7 +452,7 @@ inline int describe_waiting(char* msg, int len, int size, const char* lead) {
     return len;
 }
 
-inline void fill_stack(Fiber& f) {  // a fresh start: the fiber's first switch enters fiber_main
+EMU_UNCHECKED inline void fill_stack(Fiber& f) {  // a fresh start: the fiber's first switch enters fiber_main
 #ifdef EMU_FAST_SWITCH
     // a stack that emu_switch "returns" into emu_fiber_start: FP control words, six zeroed registers,
     // then the return address
@@ -465,11 +474,11 @@ inline void fill_stack(Fiber& f) {  // a fresh start: the fiber's first switch e
 }
 
 // schedule: 0 = in order, 1 = reverse, 2 = seeded shuffle redrawn on every pass. Returns L.result.
-inline int run_block(int schedule, TlsRange shared) {
+EMU_UNCHECKED inline int run_block(int schedule, TlsRange shared) {
     if (shared.start) memset(shared.start, 0xff, shared.size);
     on_barrier();  // nothing of the block before orders anything of this one
     L.n_done = L.n_barrier = 0;
-    for (Fiber& f : L.fibers) {
+    for (Fiber& f : fibers_in_use()) {
         f.state = ST_RUN;
         f.value = f.result = 0;
         f.op = f.line = 0;
@@ -478,9 +487,13 @@ inline int run_block(int schedule, TlsRange shared) {
     }
     for (;;) {
         if (schedule == 2)
-            for (int i = L.n - 1; i > 0; --i) std::swap(L.order[i], L.order[next_random() % (i + 1)]);
+            for (int i = L.n - 1; i > 0; --i) {
+                const int j = static_cast<int>(next_random() % (i + 1)), t = L.order[i];
+                L.order[i] = L.order[j], L.order[j] = t;
+            }
         bool progressed = false;
-        for (int i : L.order) {
+        for (int k = 0; k < L.n; ++k) {
+            const int i = L.order[k];
             Fiber* f = &L.fibers[i];
             if (f->state != ST_RUN) continue;
             to_fiber(f);
@@ -501,7 +514,7 @@ inline int run_block(int schedule, TlsRange shared) {
     }
 }
 
-inline size_t stack_bytes() {
+EMU_UNCHECKED inline size_t stack_bytes() {
     const char* env = getenv("VLLMINI_EMULATOR_STACK_KB");
     size_t kb = env ? strtoull(env, nullptr, 10) : 0;
 #ifdef EMU_ASAN
@@ -514,7 +527,7 @@ inline size_t stack_bytes() {
 
 // ---- leaving a launch from a signal handler: memory faults, and stops asked for by another thread
 #define EMU_STOP_SIGNAL SIGURG  // ignored by default, so one arriving late does nothing; Python leaves it alone
-inline sigjmp_buf abandon;                       // the end of launch(): faults and stops jump here
+EMU_UNCHECKED inline sigjmp_buf abandon;                       // the end of launch(): faults and stops jump here
 inline volatile sig_atomic_t in_grid = 0;        // 1 while run_grid runs, so a jump to `abandon` is safe
 inline pthread_mutex_t stop_mutex = PTHREAD_MUTEX_INITIALIZER;
 inline pthread_t launch_thread;                  // the OS thread that runs launch running_id
@@ -522,7 +535,7 @@ inline unsigned long long running_id = 0;        // 0 = no launch in progress (b
 inline std::atomic<unsigned long long> stop_id{0};  // the launch asked to stop, and why
 inline std::atomic<int> stop_reason{OK};
 
-inline void set_running(unsigned long long id) {
+EMU_UNCHECKED inline void set_running(unsigned long long id) {
     pthread_mutex_lock(&stop_mutex);
     running_id = id;
     launch_thread = pthread_self();
@@ -530,7 +543,7 @@ inline void set_running(unsigned long long id) {
 }
 
 // Any thread: stop launch `id` (INTERRUPTED or TIME_LIMIT), now if it runs, at its start if it has not begun.
-inline void request_stop(unsigned long long id, int reason) {
+EMU_UNCHECKED inline void request_stop(unsigned long long id, int reason) {
     pthread_mutex_lock(&stop_mutex);
     stop_reason = reason;
     stop_id = id;
@@ -538,7 +551,7 @@ inline void request_stop(unsigned long long id, int reason) {
     pthread_mutex_unlock(&stop_mutex);
 }
 
-[[noreturn]] inline void stop_now() {  // on the launching thread: say where the launch was, then leave
+[[noreturn]] EMU_UNCHECKED inline void stop_now() {  // on the launching thread: say where the launch was, then leave
     in_grid = 0;
     checking = 0;  // it may have interrupted kernel code
     L.result = stop_reason;
@@ -558,19 +571,19 @@ inline void request_stop(unsigned long long id, int reason) {
     siglongjmp(abandon, 1);
 }
 
-inline void on_stop_signal(int) {
+EMU_UNCHECKED inline void on_stop_signal(int) {
     if (in_grid && stop_id == L.id) stop_now();  // else run_grid sees stop_id before its next block
 }
 
 struct SavedHandlers { stack_t alt_stack; struct sigaction segv, bus, fpe, ill, stop; };
 inline SavedHandlers saved;  // the handlers a launch replaced, put back when it ends
-inline struct sigaction* saved_action(int sig) {
+EMU_UNCHECKED inline struct sigaction* saved_action(int sig) {
     return sig == SIGBUS ? &saved.bus : sig == SIGFPE ? &saved.fpe : sig == SIGILL ? &saved.ill : &saved.segv;
 }
 constexpr int FAULT_SIGNALS[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL};  // a kernel's fault: KernelError, never a crash
 
 // Where the faulting instruction is, as an offset into this library + 1 (0: unknown or elsewhere, e.g. libc).
-inline unsigned long long fault_pc(void* context) {
+EMU_UNCHECKED inline unsigned long long fault_pc(void* context) {
     uintptr_t pc = 0;
 #if defined(__linux__) && defined(__x86_64__)
     pc = static_cast<uintptr_t>(static_cast<ucontext_t*>(context)->uc_mcontext.gregs[REG_RIP]);
@@ -584,7 +597,7 @@ inline unsigned long long fault_pc(void* context) {
     return pc - module_base + 1;
 }
 
-inline const char* signal_text(int sig, int code) {
+EMU_UNCHECKED inline const char* signal_text(int sig, int code) {
     switch (sig) {
         case SIGFPE:
             return code == FPE_INTDIV || code == FPE_INTOVF
@@ -596,7 +609,7 @@ inline const char* signal_text(int sig, int code) {
     }
 }
 
-inline void on_fault(int sig, siginfo_t* info, void* context) {
+EMU_UNCHECKED inline void on_fault(int sig, siginfo_t* info, void* context) {
     if (!in_grid || !pthread_equal(pthread_self(), launch_thread)) {
         // not the kernel's fault (another thread's): the old handler takes it when the instruction faults again
         sigaction(sig, saved_action(sig), nullptr);
@@ -608,7 +621,7 @@ inline void on_fault(int sig, siginfo_t* info, void* context) {
     const char* addr = static_cast<const char*>(info->si_addr);
     long page = sysconf(_SC_PAGESIZE);
     bool overflow = false;
-    for (char* stack : L.stacks) overflow |= sig == SIGSEGV && addr >= stack - page && addr < stack;
+    for (char* stack : Span_of<char*>{L.stacks, L.stacks + L.n_stacks}) overflow |= sig == SIGSEGV && addr >= stack - page && addr < stack;
     memset(error_info, 0, sizeof error_info);
     error_info[0] = ERR_SIGNAL;
     error_info[1] = reinterpret_cast<uintptr_t>(addr);
@@ -630,7 +643,7 @@ inline void on_fault(int sig, siginfo_t* info, void* context) {
 }
 
 // Install the fault handlers (not under AddressSanitizer, which has its own) and the stop handler.
-inline void install_handlers() {
+EMU_UNCHECKED inline void install_handlers() {
     struct sigaction action{};
     sigemptyset(&action.sa_mask);
     for (int sig : FAULT_SIGNALS) sigaddset(&action.sa_mask, sig);  // the handlers never interrupt each other
@@ -652,7 +665,7 @@ inline void install_handlers() {
 
 // Put the old handlers back. SIG_IGN first discards a stop signal still pending (POSIX says so), so a late
 // one never reaches the old handler.
-inline void restore_handlers() {
+EMU_UNCHECKED inline void restore_handlers() {
     struct sigaction ignore{};
     ignore.sa_handler = SIG_IGN;
     sigaction(EMU_STOP_SIGNAL, &ignore, nullptr);
@@ -663,7 +676,7 @@ inline void restore_handlers() {
 #endif
 }
 
-int kernel_printf(const char* format, ...) {  // blocks the stop signal while stdio holds its lock
+EMU_UNCHECKED int kernel_printf(const char* format, ...) {  // blocks the stop signal while stdio holds its lock
     Unchecked runtime;
     sigset_t stop, old;
     sigemptyset(&stop);
@@ -677,7 +690,7 @@ int kernel_printf(const char* format, ...) {  // blocks the stop signal while st
     return written;
 }
 
-inline void run_grid(const unsigned int grid[3], int schedule, TlsRange shared) {
+EMU_UNCHECKED inline void run_grid(const unsigned int grid[3], int schedule, TlsRange shared) {
     for (unsigned int z = 0; z < grid[2]; ++z)
         for (unsigned int y = 0; y < grid[1]; ++y)
             for (unsigned int x = 0; x < grid[0]; ++x) {
@@ -689,7 +702,7 @@ inline void run_grid(const unsigned int grid[3], int schedule, TlsRange shared) 
 }
 
 // Set up L for a launch: sizes, fibers, stacks (kept for later launches), the thread order.
-inline bool prepare(void (*entry)(void**), void** args, const unsigned int grid[3], const unsigned int block[3],
+EMU_UNCHECKED inline bool prepare(void (*entry)(void**), void** args, const unsigned int grid[3], const unsigned int block[3],
                     int schedule, unsigned long long seed, unsigned long long id) {
     L.result = OK;
     L.blocks_done = 0;
@@ -704,18 +717,17 @@ inline bool prepare(void (*entry)(void**), void** args, const unsigned int grid[
     block_dim = dim3(block[0], block[1], block[2]);
     if (L.stack_size == 0) L.stack_size = stack_bytes();
     long page = sysconf(_SC_PAGESIZE);
-    while (static_cast<int>(L.stacks.size()) < L.n) {
+    while (L.n_stacks < L.n) {
         void* p = mmap(nullptr, L.stack_size + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (p == MAP_FAILED) {
             snprintf(error_message, sizeof error_message, "out of memory for thread stacks");
             return false;
         }
         mprotect(p, page, PROT_NONE);  // guard page: a stack overflow faults instead of corrupting memory
-        L.stacks.push_back(static_cast<char*>(p) + page);
+        L.stacks[L.n_stacks++] = static_cast<char*>(p) + page;
     }
-    L.fibers.assign(L.n, Fiber());
-    L.order.resize(L.n);
     for (int i = 0; i < L.n; ++i) {
+        L.fibers[i] = Fiber();
         L.fibers[i].lin = i;
         L.fibers[i].tid = uint3{i % block[0], (i / block[0]) % block[1], i / (block[0] * block[1])};
         L.order[i] = schedule == 1 ? L.n - 1 - i : i;
@@ -723,7 +735,7 @@ inline bool prepare(void (*entry)(void**), void** args, const unsigned int grid[
     return true;
 }
 
-inline int launch(void (*entry)(void**), void** args, const unsigned int grid[3], const unsigned int block[3],
+EMU_UNCHECKED inline int launch(void (*entry)(void**), void** args, const unsigned int grid[3], const unsigned int block[3],
                   int schedule, unsigned long long seed, unsigned long long id) {
     if (!prepare(entry, args, grid, block, schedule, seed, id)) return KERNEL_ERROR;
     TlsRange shared = shared_memory_range();
