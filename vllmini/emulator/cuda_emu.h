@@ -4,7 +4,8 @@
 // (after a #line directive, so messages name the kernel file), then a generated launcher and
 // emu_runtime.h (the scheduler). Every CUDA thread of a block is a fiber with its own stack; the
 // fibers of one block run one after another on one OS thread, each until it reaches __syncthreads()
-// or a warp collective (see emu_runtime.h).
+// or a warp collective (see emu_runtime.h). The kernel's memory accesses are checked (emu_check.h).
+// This is host C++: the kernel source runs inside the calling (Python) process, with its rights.
 //
 // Supported subset (anything else is a compile error from the C++ compiler, shown with the kernel line):
 //   qualifiers   __global__ __device__ __host__ __forceinline__ __noinline__ __restrict__ __launch_bounds__

@@ -16,9 +16,12 @@
 //     (same operation, mask and width; same line except for __syncwarp).
 //   * Errors (deadlock, mismatched collectives, bad masks, a shuffle reading a lane outside the mask,
 //     assert, __trap) stop the launch: the message goes back to Python, which raises KernelError.
-//   * A memory fault inside a kernel (a wild index, a fiber stack overflow into its guard page) is caught
-//     by a SIGSEGV/SIGBUS handler on an alternate stack that jumps back out of the launch, so Python gets
-//     an exception instead of a crash (not in checked mode: AddressSanitizer reports those itself).
+//   * Every memory access of kernel code is checked first (emu_check.h): bounds on every launch, races
+//     when asked. The runtime's own functions are EMU_UNCHECKED and use plain arrays, not std::vector.
+//   * A fault inside a kernel (a fiber stack overflow into its guard page, a wild raw pointer, an integer
+//     division by zero, an illegal instruction) is caught by a SIGSEGV/SIGBUS/SIGFPE/SIGILL handler on an
+//     alternate stack that jumps back out of the launch, so Python gets an exception instead of a crash,
+//     with the faulting instruction's kernel line (not in checked mode: AddressSanitizer reports those).
 //   * Stopping: emu_stop (from another OS thread: Python's Ctrl-C handling or its time limit) sends the
 //     launching thread EMU_STOP_SIGNAL, whose handler jumps out of the launch the same way, wherever the
 //     launch is: even inside a thread that spins forever and never yields. Kernel printf blocks the
