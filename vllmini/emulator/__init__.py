@@ -47,15 +47,16 @@ __threadfence or flags that threads spin on, an atomic mixed with a plain access
 __device__ global variables, memory touched inside C library calls, and it reports the first race only.
 
 What else it catches, on every run (KernelError, a KernelLaunchError): a deadlock (threads at
-`__syncthreads()` that others never reach, or that returned early), threads at different
-`__syncthreads()` lines, lanes of one mask at different collectives, a collective whose mask leaves out the caller, names an exited lane or a
-lane past the block's end, a shuffle that reads a lane outside the mask (so a wrong mask is caught on every
-run), `assert`/`__trap`, and a fault inside the kernel (a thread's stack overflowing its 256 KiB, a wild raw
-pointer, an integer division or remainder by zero (SIGFPE), an illegal instruction, a bus error): an
-exception naming the kernel, the thread and the line instead of a dead Python. Before any launch
-(InvalidArgumentError / InvalidTypeError, a ValueError / TypeError): more than 1024 threads per block, bad
-grid/block sizes, argument types that do not match the kernel's C parameters (a float64 tensor for a
-`const float*`, a Python float for a `float`, which CuPy would send as a double), non-contiguous tensors.
+`__syncthreads()` that others never reach, or that returned early), threads at different `__syncthreads()`
+lines, lanes of one mask at different collectives, a collective whose mask leaves out the caller, names an
+exited lane or a lane past the block's end, a shuffle that reads a lane outside the mask (so a wrong mask
+is caught on every run), `assert`/`__trap`, and a fault inside the kernel (a thread's stack overflowing
+its 256 KiB, a wild raw pointer, an integer division or remainder by zero (SIGFPE), an illegal
+instruction, a bus error): an exception naming the kernel, the thread and the line instead of a dead
+Python. Before any launch (InvalidArgumentError / InvalidTypeError, a ValueError / TypeError): more than
+1024 threads per block, bad grid/block sizes, argument types that do not match the kernel's C parameters
+(a float64 tensor for a `const float*`, a Python float for a `float`, which CuPy would send as a double),
+non-contiguous tensors.
 Compile errors raise CompileError (a KernelBuildError) with the compiler's message and the kernel line.
 What it cannot catch: the limits of the memory checks and of racecheck above, and a thread that spins on a
 value another thread would set: that is a hang here (only the time limit or Ctrl-C ends it), as it may be
