@@ -4,7 +4,7 @@ it into what the launcher passes (a ctypes value, and for a tensor or array, whe
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -57,32 +57,6 @@ class Arg:
 
     value: ctypes._SimpleCData
     buffer: Buffer | None = None
-
-
-@dataclass
-class Region:
-    """Bytes that one or more buffer arguments cover (overlapping buffers share one, as on the GPU)."""
-
-    start: int
-    end: int
-    writable: bool
-    args: list[int] = field(default_factory=list)
-
-
-def regions(args: list[Arg]) -> list[Region]:
-    """The buffer arguments grouped into regions of overlapping memory, in address order."""
-    found: list[Region] = []
-    for i in sorted((i for i, arg in enumerate(args) if arg.buffer), key=lambda i: args[i].buffer.address):
-        buffer = args[i].buffer
-        last = found[-1] if found else None
-        if last is not None and (buffer.address < last.end or buffer.address == last.start):
-            last.end = max(last.end, buffer.address + buffer.nbytes)
-            last.writable |= buffer.writable
-        else:
-            last = Region(buffer.address, buffer.address + buffer.nbytes, buffer.writable)
-            found.append(last)
-        last.args.append(i)
-    return found
 
 
 def convert(code: str, value: Any, what: str, *, checked: bool) -> Arg:

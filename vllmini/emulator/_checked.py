@@ -8,9 +8,10 @@ import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllmini.emulator._args import Arg, Region, regions
+from vllmini.emulator._args import Arg
 from vllmini.emulator._report import KernelBinary, KernelError, OutOfBoundsError
 
 _ASAN_OPTIONS = (
@@ -29,6 +30,32 @@ _SIGNALS = {  # ASan's name of a signal that is not a memory access -> what it m
     "ILL": "illegal instruction (SIGILL)",
 }
 _STOP_GRACE_S = 30.0  # the child stops itself at the time limit; this much later it is killed
+
+
+@dataclass
+class Region:
+    """Bytes that one or more buffer arguments cover (overlapping buffers share one, as on the GPU)."""
+
+    start: int
+    end: int
+    writable: bool
+    args: list[int] = field(default_factory=list)
+
+
+def regions(args: list[Arg]) -> list[Region]:
+    """The buffer arguments grouped into regions of overlapping memory, in address order."""
+    found: list[Region] = []
+    for i in sorted((i for i, arg in enumerate(args) if arg.buffer), key=lambda i: args[i].buffer.address):
+        buffer = args[i].buffer
+        last = found[-1] if found else None
+        if last is not None and (buffer.address < last.end or buffer.address == last.start):
+            last.end = max(last.end, buffer.address + buffer.nbytes)
+            last.writable |= buffer.writable
+        else:
+            last = Region(buffer.address, buffer.address + buffer.nbytes, buffer.writable)
+            found.append(last)
+        last.args.append(i)
+    return found
 
 
 def _spec(kernel: KernelBinary, args: list[Arg], groups: list[Region], launch: tuple, tmp: Path) -> Path:

@@ -15,7 +15,8 @@ from contextlib import contextmanager
 import numpy as np
 
 from vllmini.checks import as_float
-from vllmini.emulator._args import Arg, regions
+from vllmini.emulator._args import Arg
+from vllmini.emulator._checked import regions
 from vllmini.emulator._report import KernelBinary, KernelError, launch_error
 from vllmini.errors import InvalidArgumentError, InvalidTypeError
 
