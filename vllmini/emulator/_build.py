@@ -25,11 +25,11 @@ from vllmini.errors import InvalidArgumentError, InvalidTypeError, KernelBuildEr
 HERE = Path(__file__).resolve().parent
 # everything a build includes: part of the cache key
 HEADER_FILES = tuple(
-    "cuda_emu.h emu_mma.h emu_runtime.h emu_entry.h emu_main.h include/cuda_fp16.h include/cuda_bf16.h "
+    "cuda_emu.h emu_mma.h emu_runtime.h emu_check.h emu_entry.h emu_main.h include/cuda_fp16.h include/cuda_bf16.h "
     "include/cuda_runtime.h".split()
 )
 DYNAMIC_SHARED_BYTES = 232448  # 227 KiB: the most dynamic shared memory an H100/H200 block may opt into
-BUILD_VERSION = "2"  # bump when the generated code changes in a way the hashed files do not show
+BUILD_VERSION = "3"  # bump when the generated code changes in a way the hashed files do not show
 
 # NVRTC/nvcc options that mean nothing on a CPU; everything else except -D/-U/-I is refused
 _IGNORED_OPTIONS = tuple(
@@ -193,7 +193,7 @@ def translation_unit(code: str, filename: str, kernel_names: list[str], *, main:
         for align, ctype, name in find_dynamic_shared(code)
     )
     entries = "".join(
-        f"static void __emu_entry_{name}(void** a) {{ __emu::call(&{name}, a); }}\n"
+        f"EMU_UNCHECKED static void __emu_entry_{name}(void** a) {{ __emu::call(&{name}, a); }}\n"
         f"static std::string __emu_sig_{name}() {{ return __emu::signature(&{name}); }}\n"
         for name in kernel_names
     )
@@ -234,49 +234,101 @@ def _option_flags(options: tuple[str, ...]) -> list[str]:
     return flags
 
 
+def compile_flags(version: str, flags: list[str], *, checked: bool) -> list[list[str]]:
+    """The compiler's arguments (before the source and output names), one list per step.
+
+    In-process library: compiled with the per-access calls of -fsanitize=thread (whose runtime is NOT
+    linked: emu_check.h defines the calls, to check bounds and races) and line tables (-g1: the kernel line
+    of an error), then linked. Checked mode: one step, an AddressSanitizer executable."""
+    common = ["-std=c++17", "-pthread", "-fno-strict-aliasing", f"-I{HERE}", f"-I{HERE / 'include'}", *flags]
+    link_dl = ["-ldl"] if sys.platform.startswith("linux") else []
+    if checked:
+        mode = ["-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all"]
+        if "clang" in version.lower():
+            mode.append("-shared-libsan")  # the ASan runtime keeps its thread-locals out of our TLS block
+        return [[*common, *mode, *link_dl]]
+    hooks = (
+        ["-fno-sanitize-thread-func-entry-exit"]
+        if "clang" in version.lower()
+        else ["--param=tsan-instrument-func-entry-exit=0"]
+    )
+    compile_step = [
+        *common,
+        "-c",
+        "-O2",
+        "-g1",
+        "-gdwarf-4",
+        "-fPIC",
+        "-fvisibility=hidden",
+        "-fvisibility-inlines-hidden",
+    ]
+    link_step = ["-shared", "-pthread", *link_dl]
+    return [[*compile_step, "-fsanitize=thread", *hooks], link_step]
+
+
 def build(
     code: str, filename: str, kernel_names: list[str], options: tuple[str, ...], *, checked: bool
 ) -> Path:
-    """Compile (or find in the cache) a shared library, or with checked=True an ASan executable."""
+    """Compile (or find in the cache) a shared library, or with checked=True an ASan executable.
+
+    The cache key hashes the translation unit (the source and every header), the compiler (path, version,
+    size and date of its file) and every flag it is given; see private_cache_dir and trusted for who may
+    have written a cached file."""
     global compile_count
     cxx, version = find_compiler()
-    flags = _option_flags(options)
+    steps = compile_flags(version, _option_flags(options), checked=checked)
     headers = "".join((HERE / name).read_text() for name in HEADER_FILES)
     tu = translation_unit(code, filename, kernel_names, main=checked)
-    key = _hash(BUILD_VERSION, tu, headers, " ".join(flags), cxx, version, sys.platform, str(checked))
-    out_dir = cache_dir()
+    compiler = os.stat(cxx)
+    compiler_file = f"{compiler.st_size}:{compiler.st_mtime_ns}"
+    key = _hash(BUILD_VERSION, tu, headers, repr(steps), cxx, version, compiler_file, sys.platform)
+    out_dir = private_cache_dir()
     target = out_dir / (f"{Path(filename).stem}-{key}" + (".asan" if checked else ".so"))
-    if target.exists():
+    if target.exists() and trusted(target):
         return target
-    out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-        src = Path(tmp) / "tu.cpp"
+        src, obj, out = Path(tmp) / "tu.cpp", Path(tmp) / "tu.o", Path(tmp) / "out"
         src.write_text(tu)
-        if checked:
-            mode = ["-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all"]
-            if "clang" in version.lower():
-                mode.append("-shared-libsan")  # the ASan runtime keeps its thread-locals out of our TLS block
-        else:
-            mode = ["-O2", "-fPIC", "-shared", "-fvisibility=hidden", "-fvisibility-inlines-hidden"]
-        if sys.platform.startswith("linux"):
-            mode.append("-ldl")
-        cmd = [
-            cxx,
-            "-std=c++17",
-            "-pthread",
-            *mode,
-            "-fno-strict-aliasing",
-            f"-I{HERE}",
-            f"-I{HERE / 'include'}",
-        ]
-        cmd += [*flags, str(src), "-o", str(Path(tmp) / "out")]
         with _lock:
             compile_count += 1
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise CompileError(_compile_message(proc.stderr, filename, checked))
-        os.replace(Path(tmp) / "out", target)  # atomic: a concurrent build of the same key is harmless
+        if checked:
+            commands = [[cxx, *steps[0], str(src), "-o", str(out)]]
+        else:
+            commands = [
+                [cxx, *steps[0], str(src), "-o", str(obj)],
+                [cxx, str(obj), *steps[1], "-o", str(out)],
+            ]
+        for cmd in commands:
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise CompileError(_compile_message(proc.stderr, filename, checked))
+        out.chmod(0o700)
+        os.replace(out, target)  # atomic: a concurrent build of the same key is harmless
     return target
+
+
+def private_cache_dir() -> Path:
+    """cache_dir(), created private (0700) if missing; refused when another user owns it, made private again
+    when it is ours but others may write to it (a kernel library there is code this process will run)."""
+    path = cache_dir()
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    info = path.stat()
+    if info.st_uid != os.getuid():
+        raise CompileError(
+            f"the emulator's build cache {path} belongs to another user (uid {info.st_uid}); libraries there "
+            f"would run inside this process. Set VLLMINI_CACHE_DIR to a directory of your own"
+        )
+    if info.st_mode & 0o077:
+        path.chmod(0o700)
+    return path
+
+
+def trusted(path: Path) -> bool:
+    """True when a cached build may be loaded: a file owned by this user that no one else may write."""
+    info = path.lstat()
+    return (
+        path.is_file() and not path.is_symlink() and info.st_uid == os.getuid() and not info.st_mode & 0o022
+    )
 
 
 def _compile_message(stderr: str, filename: str, checked: bool) -> str:
@@ -317,5 +369,9 @@ def load(path: Path) -> ctypes.CDLL:
             lib.emu_error.restype = ctypes.c_char_p
             lib.emu_signature.restype = ctypes.c_char_p
             lib.emu_signature.argtypes = [ctypes.c_int]
+            lib.emu_error_info.restype = None
+            lib.emu_error_info.argtypes = [ctypes.c_void_p]
+            lib.emu_set_checks.restype = ctypes.c_int
+            lib.emu_set_checks.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
             _loaded[key] = lib
     return lib

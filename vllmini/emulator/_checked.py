@@ -10,16 +10,12 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from vllmini.emulator._args import Arg
-from vllmini.emulator._launch import KernelError
-
-if TYPE_CHECKING:
-    from vllmini.emulator._kernel import RawKernel
+from vllmini.emulator._report import KernelBinary, KernelError, OutOfBoundsError
 
 _ASAN_OPTIONS = (
-    "detect_leaks=0:abort_on_error=0:symbolize=1:detect_stack_use_after_return=0"
+    "detect_leaks=0:abort_on_error=0:symbolize=1:detect_stack_use_after_return=0:handle_sigill=1"
     ":allow_user_segv_handler=1:handle_segv=1:print_summary=1"
 )
 _ASAN_HEAD = re.compile(r"ERROR: AddressSanitizer: ([\w-]+)")
@@ -29,24 +25,11 @@ _ASAN_REGION = re.compile(
     r" (?:the )?(\d+)-byte region \[(0x[0-9a-f]+),\s*(0x[0-9a-f]+)\)"
 )
 _BUFFER = re.compile(r"emu-buffer (\d+) (0x[0-9a-f]+|\(nil\)) (\d+)")
+_SIGNALS = {  # ASan's name of a signal that is not a memory access -> what it means in a kernel
+    "FPE": "integer division by zero (SIGFPE: x / 0 or x % 0 on integers, or INT_MIN / -1)",
+    "ILL": "illegal instruction (SIGILL)",
+}
 _STOP_GRACE_S = 30.0  # the child stops itself at the time limit; this much later it is killed
-
-
-class OutOfBoundsError(KernelError):
-    """Checked mode: the kernel read or wrote outside a buffer argument (access, buffer, offset, line)."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        access: str = "",
-        buffer: str = "",
-        offset: int | None = None,
-        line: int | None = None,
-        report: str = "",
-    ):
-        super().__init__(message)
-        self.access, self.buffer, self.offset, self.line, self.report = access, buffer, offset, line, report
 
 
 @dataclass
@@ -75,7 +58,7 @@ def regions(args: list[Arg]) -> list[Region]:
     return found
 
 
-def _spec(kernel: RawKernel, args: list[Arg], groups: list[Region], launch: tuple, tmp: Path) -> Path:
+def _spec(kernel: KernelBinary, args: list[Arg], groups: list[Region], launch: tuple, tmp: Path) -> Path:
     """Write the child's spec (see emu_main.h) and one input file per region; return the spec's path."""
     lines = [" ".join(map(str, (kernel.index, *launch, len(groups), len(args))))]
     for number, region in enumerate(groups):
@@ -95,7 +78,7 @@ def _spec(kernel: RawKernel, args: list[Arg], groups: list[Region], launch: tupl
 
 
 def run_checked(
-    kernel: RawKernel,
+    kernel: KernelBinary,
     args: list[Arg],
     grid: tuple,
     block: tuple,
@@ -128,7 +111,7 @@ def run_checked(
     raise asan_error(kernel, proc.stderr, proc.returncode)
 
 
-def _blamed_buffer(kernel: RawKernel, report: str, address: int) -> tuple[str, int, int] | None:
+def _blamed_buffer(kernel: KernelBinary, report: str, address: int) -> tuple[str, int, int] | None:
     """(name, offset, size) of the buffer argument whose guard space (or red zone) holds the address."""
     best = None
     for match in _BUFFER.finditer(report):
@@ -143,20 +126,23 @@ def _blamed_buffer(kernel: RawKernel, report: str, address: int) -> tuple[str, i
     if best is None:
         return None
     _, i, start, length = best
-    return kernel.info.param_names[i], address - start, length
+    return kernel.param_names[i], address - start, length
 
 
-def asan_error(kernel: RawKernel, report: str, returncode: int) -> KernelError:
+def asan_error(kernel: KernelBinary, report: str, returncode: int) -> KernelError:
     """The error an AddressSanitizer report describes: an OutOfBoundsError naming access, buffer, line."""
     head = _ASAN_HEAD.search(report)
     if head is None:
         tail = "\n".join(report.strip().splitlines()[-15:])
         return KernelError(f"{kernel.name}: the checked run crashed (exit status {returncode}):\n{tail}")
+    frame = re.search(re.escape(kernel.filename) + r":(\d+)", report)
+    line = int(frame.group(1)) if frame else None
+    at = f"{kernel.filename}:{line}" if line else kernel.filename
+    if head.group(1) in _SIGNALS:  # not a memory access: an arithmetic fault or an illegal instruction
+        return KernelError(f"{kernel.name}: {at}: {_SIGNALS[head.group(1)]}")
     access = _ASAN_ACCESS.search(report) or re.search(r"caused by a (READ|WRITE) memory access", report)
     kind = access.group(1).lower() if access else "access"
     size = int(access.group(2)) if access and access.lastindex >= 2 else 0
-    frame = re.search(re.escape(kernel.filename) + r":(\d+)", report)
-    line = int(frame.group(1)) if frame else None
     address = int(access.group(3), 16) if access and access.lastindex >= 3 else None
     blamed = None if address is None else _blamed_buffer(kernel, report, address)
     buffer, offset = blamed[:2] if blamed else ("", None)
@@ -168,7 +154,6 @@ def asan_error(kernel: RawKernel, report: str, returncode: int) -> KernelError:
         where = "an address far outside every buffer"
     else:
         where = "memory that is not a kernel argument (a local array, shared memory or a stray pointer)"
-    at = f"{kernel.filename}:{line}" if line else kernel.filename
     what = f"{kind} of {size} bytes" if size else kind
     kind_note = "" if buffer else f" ({head.group(1)})"  # ASan's name helps only when no buffer matched
     message = f"{at}: {what} out of bounds{kind_note} at {where}"

@@ -8,10 +8,11 @@ from typing import Any
 import numpy as np
 
 from vllmini.checks import as_int
-from vllmini.emulator import _build
 from vllmini.emulator._args import Arg, convert
+from vllmini.emulator._build import DYNAMIC_SHARED_BYTES, KernelInfo, build, find_kernels, load
 from vllmini.emulator._checked import run_checked
-from vllmini.emulator._launch import KernelError, launch_in_process, time_limit_seconds
+from vllmini.emulator._launch import launch_in_process, racecheck_default, time_limit_seconds
+from vllmini.emulator._report import KernelBinary, KernelError
 from vllmini.errors import InvalidArgumentError, InvalidTypeError
 
 MAX_THREADS_PER_BLOCK = 1024
@@ -59,7 +60,11 @@ class RawKernel:
     """One `extern "C" __global__` function of CUDA source, run on the CPU; mirrors cupy.RawKernel.
 
     kernel = RawKernel(code, "vector_add"); kernel((blocks,), (threads,), (x, y, out, np.int32(n)))
-    checked=True runs every launch in an AddressSanitizer child process that reports out-of-bounds accesses.
+    Every launch checks each memory access against the buffer arguments (OutOfBoundsError, with the line).
+    racecheck=True also reports two threads of a block that touch one byte between barriers, one writing,
+    neither atomic (RaceError; check_schedules does this too); None: $VLLMINI_EMULATOR_RACECHECK=1 turns
+    it on for every launch (slower: a shadow byte record per byte of memory; use it in tests).
+    checked=True runs every launch in an AddressSanitizer child process (also local arrays, stray pointers).
     schedule: "in_order" | "reverse" | an int seed (a seeded shuffle of the threads at every pass).
     time_limit: seconds a launch may take before KernelError (None: $VLLMINI_EMULATOR_TIME_LIMIT, else none).
     filename: the name messages use for the source (default: the `// file.cu` the source's first line
@@ -74,6 +79,7 @@ class RawKernel:
         name: str,
         *,
         checked: bool = False,
+        racecheck: bool | None = None,
         options: tuple[str, ...] = (),
         schedule: str | int = "in_order",
         filename: str | None = None,
@@ -83,7 +89,7 @@ class RawKernel:
             raise InvalidTypeError(
                 f"code and name must be str, got {type(code).__name__} and {type(name).__name__}"
             )
-        kernels = _build.find_kernels(code)
+        kernels = find_kernels(code)
         if name not in kernels:
             found = ", ".join(sorted(kernels)) or "none"
             raise InvalidArgumentError(
@@ -95,6 +101,7 @@ class RawKernel:
                 f'kernels by name only: add an `extern "C"` kernel that calls it with the types you need'
             )
         self.code, self.name, self.checked, self.options = code, name, bool(checked), tuple(options)
+        self.racecheck = racecheck
         _schedule_code(schedule), time_limit_seconds(time_limit)  # checked now, used at every launch
         self.schedule, self.time_limit = schedule, time_limit
         self.filename = filename or _source_name(code) or f"{name}.cu"
@@ -102,14 +109,17 @@ class RawKernel:
         self._uses_printf = "printf" in code  # then its output is captured and written to sys.stdout
         names = sorted(kernel for kernel, info in kernels.items() if not info.is_template)
         self.index = names.index(name)
-        self.path = _build.build(code, self.filename, names, self.options, checked=self.checked)
+        self.path = build(code, self.filename, names, self.options, checked=self.checked)
         # the signature (C types as the compiler sees them) comes from the in-process library
-        self._lib = _build.load(_build.build(code, self.filename, names, self.options, checked=False))
+        library = build(code, self.filename, names, self.options, checked=False)
+        self._lib = load(library)
+        self._binary = KernelBinary(library, self.index, name, self.filename, self.info.param_names)
         self.param_codes = tuple(filter(None, self._lib.emu_signature(self.index).decode().split(";")))
         if len(self.param_codes) != len(self.info.param_names):  # the source scan missed something
-            self.info = _build.KernelInfo(
+            self.info = KernelInfo(
                 name, tuple(f"arg{i}" for i in range(len(self.param_codes))), tuple(self.param_codes)
             )
+            self._binary = KernelBinary(library, self.index, name, self.filename, self.info.param_names)
 
     def __repr__(self) -> str:
         return f"RawKernel({self.name!r}, checked={self.checked}, schedule={self.schedule!r})"
@@ -123,8 +133,10 @@ class RawKernel:
         shared_mem: int = 0,
         schedule: str | int | None = None,
         time_limit: float | None = None,
+        racecheck: bool | None = None,
     ) -> None:
-        """Launch over `grid` blocks of `block` threads; time_limit (seconds) overrides the kernel's."""
+        """Launch over `grid` blocks of `block` threads; time_limit (seconds) and racecheck override the
+        kernel's. A racecheck launch runs in this process (bounds-checked) even for a checked kernel."""
         grid3 = _dims(grid, "grid", _MAX_GRID)
         block3 = _dims(block, "block", _MAX_BLOCK)
         threads = block3[0] * block3[1] * block3[2]
@@ -132,16 +144,18 @@ class RawKernel:
             raise InvalidArgumentError(
                 f"block {block!r} has {threads} threads; CUDA allows at most {MAX_THREADS_PER_BLOCK}"
             )
-        as_int(shared_mem, "shared_mem", min=0, max=_build.DYNAMIC_SHARED_BYTES)
+        as_int(shared_mem, "shared_mem", min=0, max=DYNAMIC_SHARED_BYTES)
         order = _schedule_code(self.schedule if schedule is None else schedule)
         limit = time_limit_seconds(self.time_limit if time_limit is None else time_limit)
         converted = self.convert(args)
-        if self.checked:
-            run_checked(self, converted, grid3, block3, order, limit)
+        racecheck = racecheck_default(self.racecheck if racecheck is None else racecheck)
+        if self.checked and not racecheck:
+            program = KernelBinary(self.path, self.index, self.name, self.filename, self.info.param_names)
+            run_checked(program, converted, grid3, block3, order, limit)
         else:
             launch_in_process(
-                self._lib, self.name, self.index, converted, grid3, block3, order,
-                time_limit=limit, capture_printf=self._uses_printf,
+                self._lib, self._binary, converted, grid3, block3, order,
+                time_limit=limit, capture_printf=self._uses_printf, racecheck=racecheck,
             )  # fmt: skip
 
     def convert(self, args: tuple) -> list[Arg]:
@@ -166,13 +180,17 @@ class RawKernel:
         *,
         shared_mem: int = 0,
         schedules: tuple = ("in_order", "reverse", 1, 2),
+        racecheck: bool = True,
     ) -> None:
-        """Launch once per schedule on copies of the buffers; raise KernelError if any output differs.
+        """Launch once per schedule on copies of the buffers; raise KernelError if any output differs,
+        then (racecheck) once more with the race detector: RaceError names both threads and lines.
 
         A result that depends on the order of the threads means a race: a missing __syncthreads(), two
         threads writing one place, a read of a slot another thread writes in the same phase. Outputs are
         compared bit for bit (NaN equals NaN); float atomics whose order changes the rounding also count.
-        On success the buffers hold the first schedule's result, as after a normal launch.
+        A race that gives the same answer in every order (256 threads doing `total += 1.0f`: 256 here, 1 on
+        a GPU) is left to the race detector. On success the buffers hold the first schedule's result, as
+        after a normal launch.
         """
         outputs = {
             i: arg.buffer for i, arg in enumerate(self.convert(args)) if arg.buffer and arg.buffer.writable
@@ -182,7 +200,7 @@ class RawKernel:
         for schedule in schedules:
             for i, buffer in outputs.items():
                 buffer.write(originals[i])
-            self(grid, block, args, shared_mem=shared_mem, schedule=schedule)
+            self(grid, block, args, shared_mem=shared_mem, schedule=schedule, racecheck=False)
             results.append({i: buffer.read() for i, buffer in outputs.items()})
         for schedule, result in zip(schedules[1:], results[1:], strict=True):
             for i in (i for i in outputs if result[i] != results[0][i]):
@@ -192,6 +210,10 @@ class RawKernel:
                     f"and {schedule!r} ({where}): the result depends on the order of the threads, a race "
                     f"(a missing __syncthreads()?)"
                 )
+        if racecheck:
+            for i, buffer in outputs.items():
+                buffer.write(originals[i])
+            self(grid, block, args, shared_mem=shared_mem, schedule=schedules[0], racecheck=True)
         for i, buffer in outputs.items():  # leave the first schedule's result, like a plain launch
             buffer.write(results[0][i])
 
@@ -205,6 +227,7 @@ class RawModule:
         *,
         options: tuple[str, ...] = (),
         checked: bool = False,
+        racecheck: bool | None = None,
         schedule: str | int = "in_order",
         filename: str | None = None,
         time_limit: float | None = None,
@@ -213,6 +236,7 @@ class RawModule:
         self.settings = dict(
             options=tuple(options),
             checked=checked,
+            racecheck=racecheck,
             schedule=schedule,
             filename=filename,
             time_limit=time_limit,

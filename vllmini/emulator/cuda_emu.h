@@ -4,7 +4,8 @@
 // (after a #line directive, so messages name the kernel file), then a generated launcher and
 // emu_runtime.h (the scheduler). Every CUDA thread of a block is a fiber with its own stack; the
 // fibers of one block run one after another on one OS thread, each until it reaches __syncthreads()
-// or a warp collective (see emu_runtime.h).
+// or a warp collective (see emu_runtime.h). The kernel's memory accesses are checked (emu_check.h).
+// This is host C++: the kernel source runs inside the calling (Python) process, with its rights.
 //
 // Supported subset (anything else is a compile error from the C++ compiler, shown with the kernel line):
 //   qualifiers   __global__ __device__ __host__ __forceinline__ __noinline__ __restrict__ __launch_bounds__
@@ -33,6 +34,13 @@
 // Not supported: cooperative groups, tensor cores (mma/wmma), inline PTX, textures/surfaces, cluster and
 // grid-wide sync, dynamic parallelism, __constant__ set from the host, device-side malloc.
 #pragma once
+
+// Code the bounds and race checks skip (the runtime, the checks themselves, atomics): see emu_check.h
+#if defined(__clang__)
+#define EMU_UNCHECKED __attribute__((no_sanitize("thread")))
+#else
+#define EMU_UNCHECKED __attribute__((no_sanitize_thread))
+#endif
 
 #if defined(__APPLE__) && !defined(_XOPEN_SOURCE)
 #define _XOPEN_SOURCE 700  // macOS hides the ucontext functions without it
@@ -267,6 +275,7 @@ namespace __emu {
 struct Fiber;  // one CUDA thread: its coordinates, state and stack (defined in emu_runtime.h)
 struct ThreadView { uint3 tid; };  // the first member of every Fiber
 inline ThreadView* cur = nullptr;  // the running thread (a plain global: one OS thread runs a launch)
+inline uint3 thread_idx{0, 0, 0};  // its threadIdx: a copy in static data, which kernel code may read
 inline uint3 block_idx{0, 0, 0};
 inline dim3 block_dim, grid_dim;
 enum Op { OP_SHFL_IDX = 1, OP_SHFL_UP, OP_SHFL_DOWN, OP_SHFL_XOR, OP_BALLOT, OP_ANY, OP_ALL, OP_SYNCWARP };
@@ -276,6 +285,7 @@ unsigned long long warp_collective(int op, unsigned int mask, unsigned long long
 int block_barrier(int kind, int pred, const char* file, int line);
 unsigned int active_mask();
 int kernel_printf(const char* format, ...) __attribute__((format(printf, 1, 2)));
+void check_atomic(const void* p, size_t size, const void* pc);  // bounds only: atomics never race
 template <class T> inline unsigned long long to_bits(T v) {
     static_assert(sizeof(T) <= 8 && std::is_trivially_copyable_v<T>, "warp shuffles move 1 to 8 bytes");
     unsigned long long b = 0;
@@ -289,7 +299,7 @@ template <class T> inline T from_bits(unsigned long long b) {
 }
 }  // namespace __emu
 
-#define threadIdx (static_cast<const uint3&>(::__emu::cur->tid))
+#define threadIdx (static_cast<const uint3&>(::__emu::thread_idx))
 #define blockIdx (static_cast<const uint3&>(::__emu::block_idx))
 #define blockDim (static_cast<const dim3&>(::__emu::block_dim))
 #define gridDim (static_cast<const dim3&>(::__emu::grid_dim))
@@ -340,8 +350,10 @@ inline int __all_sync(unsigned int mask, int pred, EMU_HERE) {
 
 // ---------------------------------------------------------------- atomics
 // Threads never run at the same time (fibers switch only at barriers and collectives), so a plain
-// read-modify-write is atomic here. Each returns the old value, as in CUDA.
-#define EMU_ATOMIC(NAME, T, EXPR) inline T NAME(T* p, T v) { T old = *p; *p = (EXPR); return old; }
+// read-modify-write is atomic here. Each returns the old value, as in CUDA. They are bounds-checked, and
+// never reported as a race (EMU_UNCHECKED keeps the compiler's per-access checks out of them).
+#define EMU_ATOMIC(NAME, T, EXPR) EMU_UNCHECKED inline T NAME(T* p, T v) { \
+    __emu::check_atomic(p, sizeof(T), __builtin_return_address(0)); T old = *p; *p = (EXPR); return old; }
 #define EMU_ATOMIC_INTS(NAME, EXPR) EMU_ATOMIC(NAME, int, EXPR) EMU_ATOMIC(NAME, unsigned int, EXPR) \
     EMU_ATOMIC(NAME, unsigned long long, EXPR) EMU_ATOMIC(NAME, long long, EXPR)
 EMU_ATOMIC_INTS(atomicAdd, old + v)
@@ -359,12 +371,17 @@ EMU_ATOMIC_INTS(atomicOr, old | v)
 EMU_ATOMIC_INTS(atomicXor, old ^ v)
 #undef EMU_ATOMIC_INTS
 #undef EMU_ATOMIC
-inline unsigned int atomicInc(unsigned int* p, unsigned int v) { unsigned int o = *p; *p = o >= v ? 0 : o + 1; return o; }
-inline unsigned int atomicDec(unsigned int* p, unsigned int v) {
+EMU_UNCHECKED inline unsigned int atomicInc(unsigned int* p, unsigned int v) {
+    __emu::check_atomic(p, 4, __builtin_return_address(0));
+    unsigned int o = *p; *p = o >= v ? 0 : o + 1; return o;
+}
+EMU_UNCHECKED inline unsigned int atomicDec(unsigned int* p, unsigned int v) {
+    __emu::check_atomic(p, 4, __builtin_return_address(0));
     unsigned int o = *p; *p = (o == 0 || o > v) ? v : o - 1; return o;
 }
-template <class T> inline T atomicCAS(T* p, T compare, T v) {
+template <class T> EMU_UNCHECKED inline T atomicCAS(T* p, T compare, T v) {
     static_assert(std::is_integral_v<T>, "atomicCAS works on int, unsigned, unsigned long long, unsigned short");
+    __emu::check_atomic(p, sizeof(T), __builtin_return_address(0));
     T old = *p;
     if (old == compare) *p = v;
     return old;

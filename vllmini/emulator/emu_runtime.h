@@ -16,9 +16,12 @@
 //     (same operation, mask and width; same line except for __syncwarp).
 //   * Errors (deadlock, mismatched collectives, bad masks, a shuffle reading a lane outside the mask,
 //     assert, __trap) stop the launch: the message goes back to Python, which raises KernelError.
-//   * A memory fault inside a kernel (a wild index, a fiber stack overflow into its guard page) is caught
-//     by a SIGSEGV/SIGBUS handler on an alternate stack that jumps back out of the launch, so Python gets
-//     an exception instead of a crash (not in checked mode: AddressSanitizer reports those itself).
+//   * Every memory access of kernel code is checked first (emu_check.h): bounds on every launch, races
+//     when asked. The runtime's own functions are EMU_UNCHECKED and use plain arrays, not std::vector.
+//   * A fault inside a kernel (a fiber stack overflow into its guard page, a wild raw pointer, an integer
+//     division by zero, an illegal instruction) is caught by a SIGSEGV/SIGBUS/SIGFPE/SIGILL handler on an
+//     alternate stack that jumps back out of the launch, so Python gets an exception instead of a crash,
+//     with the faulting instruction's kernel line (not in checked mode: AddressSanitizer reports those).
 //   * Stopping: emu_stop (from another OS thread: Python's Ctrl-C handling or its time limit) sends the
 //     launching thread EMU_STOP_SIGNAL, whose handler jumps out of the launch the same way, wherever the
 //     launch is: even inside a thread that spins forever and never yields. Kernel printf blocks the
@@ -109,10 +112,13 @@ struct Launch {
     void (*entry)(void**) = nullptr;
     void** args = nullptr;
     unsigned long long id = 0;  // Python's number for this launch, which emu_stop names
-    std::vector<Fiber> fibers;
-    std::vector<char*> stacks;
+    // plain arrays, not std::vector: the runtime's code is compiled without the per-access checks
+    // (EMU_UNCHECKED), and a std::vector method would not be inlined into it (see emu_check.h)
+    Fiber fibers[1024];       // the block's threads (CUDA allows at most 1024), n of them in use
+    char* stacks[1024] = {};  // their stacks, kept for later launches; n_stacks made so far
+    int n_stacks = 0;
     size_t stack_size = 0;
-    std::vector<int> order;
+    int order[1024] = {};
     int n = 0, n_done = 0, n_barrier = 0;
     int result = OK;
     unsigned long long blocks_done = 0;
@@ -127,8 +133,15 @@ struct Launch {
 };
 inline Launch L;
 inline char error_message[4096];
+inline int checking = 0;  // what the memory checks do now (emu_check.h): 0 while the runtime's code runs
 
-inline Fiber* self() { return static_cast<Fiber*>(cur); }
+EMU_UNCHECKED inline Fiber* self() { return static_cast<Fiber*>(cur); }
+template <class T> struct Span_of {  // a range-for over part of an array
+    T *b, *e;
+    EMU_UNCHECKED T* begin() const { return b; }
+    EMU_UNCHECKED T* end() const { return e; }
+};
+EMU_UNCHECKED inline Span_of<Fiber> fibers_in_use() { return {L.fibers, L.fibers + L.n}; }
 
 #ifdef EMU_FAST_SWITCH
 #define EMU_SWAP_TO_SCHEDULER(f) emu_switch(&(f)->sp, L.scheduler_sp)
@@ -138,7 +151,7 @@ inline Fiber* self() { return static_cast<Fiber*>(cur); }
 #define EMU_SWAP_TO_FIBER(f) swapcontext(&L.scheduler, &(f)->ctx)
 #endif
 
-inline void to_scheduler() {  // a fiber gives control back to the scheduler
+EMU_UNCHECKED inline void to_scheduler() {  // a fiber gives control back to the scheduler
     Fiber* f = self();
 #ifdef EMU_ASAN
     void* fake = nullptr;
@@ -150,7 +163,7 @@ inline void to_scheduler() {  // a fiber gives control back to the scheduler
 #endif
 }
 
-[[noreturn]] inline void to_scheduler_final() {  // a fiber that has finished leaves for good
+[[noreturn]] EMU_UNCHECKED inline void to_scheduler_final() {  // a fiber that has finished leaves for good
     Fiber* f = self();
 #ifdef EMU_ASAN
     __sanitizer_start_switch_fiber(nullptr, L.main_bottom, L.main_size);
@@ -159,8 +172,19 @@ inline void to_scheduler() {  // a fiber gives control back to the scheduler
     abort();  // never resumed
 }
 
-inline void to_fiber(Fiber* f) {  // the scheduler resumes a fiber
+EMU_UNCHECKED inline void describe_thread(char* buf, size_t size, const Fiber* f) {
+    snprintf(buf, size, "thread (%u,%u,%u) of block (%u,%u,%u) [warp %d lane %d]", f->tid.x, f->tid.y, f->tid.z,
+             block_idx.x, block_idx.y, block_idx.z, f->lin / 32, f->lin % 32);
+}
+}  // namespace __emu
+#include "emu_check.h"  // bounds and race checks of kernel code's memory accesses
+namespace __emu {
+
+EMU_UNCHECKED inline void to_fiber(Fiber* f) {  // the scheduler resumes a fiber
     cur = f;
+    thread_idx = f->tid;
+    stack_lo = reinterpret_cast<uintptr_t>(L.stacks[f->lin]);
+    stack_hi = stack_lo + L.stack_size;
 #ifdef EMU_ASAN
     void* fake = nullptr;
     __sanitizer_start_switch_fiber(&fake, L.stacks[f->lin], L.stack_size);
@@ -171,14 +195,11 @@ inline void to_fiber(Fiber* f) {  // the scheduler resumes a fiber
 #endif
 }
 
-inline void describe_thread(char* buf, size_t size, const Fiber* f) {
-    snprintf(buf, size, "thread (%u,%u,%u) of block (%u,%u,%u) [warp %d lane %d]", f->tid.x, f->tid.y, f->tid.z,
-             block_idx.x, block_idx.y, block_idx.z, f->lin / 32, f->lin % 32);
-}
 
 // Called from inside a fiber: record the error (naming thread `who`, unless an error came first) and
 // leave for good; the scheduler sees L.result and abandons the launch.
-[[noreturn]] inline void vfail(const Fiber* who, const char* file, int line, const char* format, va_list ap) {
+[[noreturn]] EMU_UNCHECKED inline void vfail(const Fiber* who, const char* file, int line, const char* format, va_list ap) {
+    checking = 0;
     if (!L.result) {
         char msg[3072], where[160];
         vsnprintf(msg, sizeof msg, format, ap);
@@ -189,18 +210,18 @@ inline void describe_thread(char* buf, size_t size, const Fiber* f) {
     self()->state = ST_DONE;
     to_scheduler_final();
 }
-[[noreturn]] inline void fail_as(const Fiber* who, const char* file, int line, const char* format, ...) {
+[[noreturn]] EMU_UNCHECKED inline void fail_as(const Fiber* who, const char* file, int line, const char* format, ...) {
     va_list ap;
     va_start(ap, format);
     vfail(who, file, line, format, ap);
 }
-[[noreturn]] void fail(const char* file, int line, const char* format, ...) {
+[[noreturn]] EMU_UNCHECKED void fail(const char* file, int line, const char* format, ...) {
     va_list ap;
     va_start(ap, format);
     vfail(self(), file, line, format, ap);
 }
 
-inline const char* op_name(int op) {
+EMU_UNCHECKED inline const char* op_name(int op) {
     switch (op) {
         case OP_SHFL_IDX: return "__shfl_sync";
         case OP_SHFL_UP: return "__shfl_up_sync";
@@ -214,7 +235,8 @@ inline const char* op_name(int op) {
     }
 }
 
-inline unsigned int active_mask() {
+EMU_UNCHECKED inline unsigned int active_mask() {
+    Unchecked runtime;
     Fiber* f = self();
     int base = f->lin & ~31;
     unsigned int mask = 0;
@@ -224,7 +246,7 @@ inline unsigned int active_mask() {
 }
 
 // Complete the collective that thread f just arrived at, if every lane of its mask is there.
-inline void try_complete_collective(Fiber* f) {
+EMU_UNCHECKED inline void try_complete_collective(Fiber* f) {
     const int base = f->lin & ~31, lane = f->lin & 31;
     for (int l = 0; l < 32; ++l) {
         if (!((f->mask >> l) & 1u)) continue;
@@ -244,6 +266,7 @@ inline void try_complete_collective(Fiber* f) {
                  lane, op_name(f->op), f->mask, f->width, f->line, l, op_name(g->op), g->mask, g->width, g->line);
     }
     // everyone is here: compute each lane's result
+    on_collective(base, f->mask);
     unsigned int votes = 0;
     for (int l = 0; l < 32; ++l)
         if (((f->mask >> l) & 1u) && L.fibers[base + l].value) votes |= 1u << l;
@@ -276,8 +299,9 @@ inline void try_complete_collective(Fiber* f) {
         if ((f->mask >> l) & 1u) L.fibers[base + l].state = ST_RUN;
 }
 
-unsigned long long warp_collective(int op, unsigned int mask, unsigned long long value, int arg, int width,
+EMU_UNCHECKED unsigned long long warp_collective(int op, unsigned int mask, unsigned long long value, int arg, int width,
                                    const char* file, int line) {
+    Unchecked runtime;
     Fiber* f = self();
     const int lane = f->lin & 31;
     f->file = file;
@@ -298,7 +322,7 @@ unsigned long long warp_collective(int op, unsigned int mask, unsigned long long
     return f->result;
 }
 
-inline void try_release_barrier(Fiber* f) {
+EMU_UNCHECKED inline void try_release_barrier(Fiber* f) {
     if (L.n_barrier + L.n_done < L.n) return;
     if (L.n_done > 0) {
         int first = -1;
@@ -310,20 +334,22 @@ inline void try_release_barrier(Fiber* f) {
              L.n_barrier, L.n_done, first);
     }
     int count = 0;
-    for (auto& g : L.fibers) {
+    for (Fiber& g : fibers_in_use()) {
         if (g.line != f->line || strcmp(g.file, f->file))
             fail_as(f, f->file, f->line, "threads wait at different __syncthreads(): thread %d at line %d, thread %d at line %d",
                  f->lin, f->line, g.lin, g.line);
         count += g.value != 0;
     }
-    for (auto& g : L.fibers) {
+    for (Fiber& g : fibers_in_use()) {
         g.result = g.op == 1 ? count : g.op == 2 ? count == L.n : g.op == 3 ? count > 0 : 0;
         g.state = ST_RUN;
     }
     L.n_barrier = 0;
+    on_barrier();
 }
 
-int block_barrier(int kind, int pred, const char* file, int line) {
+EMU_UNCHECKED int block_barrier(int kind, int pred, const char* file, int line) {
+    Unchecked runtime;
     Fiber* f = self();
     f->op = kind;
     f->value = pred;
@@ -336,47 +362,61 @@ int block_barrier(int kind, int pred, const char* file, int line) {
     return static_cast<int>(f->result);
 }
 
-inline void fiber_main() {
+EMU_UNCHECKED inline void fiber_main() {
 #ifdef EMU_ASAN
     __sanitizer_finish_switch_fiber(nullptr, &L.main_bottom, &L.main_size);
 #endif
+    checking = checks_asked;
     L.entry(L.args);
+    checking = 0;
     Fiber* f = self();
     f->state = ST_DONE;
     L.n_done++;
     // a thread that returns may complete a barrier (an error: see try_release_barrier)
     if (L.n_barrier > 0)
-        for (auto& g : L.fibers)
+        for (Fiber& g : fibers_in_use())
             if (g.state == ST_BARRIER) { try_release_barrier(&g); break; }
     to_scheduler_final();
 }
 
 }  // namespace __emu
-extern "C" void emu_fiber_entry() { __emu::fiber_main(); }
+extern "C" EMU_UNCHECKED void emu_fiber_entry() { __emu::fiber_main(); }
 namespace __emu {
 
 // ---- shared memory poisoning: fill this module's thread-local storage with 0xFF bytes
-struct TlsRange { char* start = nullptr; size_t size = 0; };
+struct TlsRange {
+    char* start = nullptr;  // this library's thread-local storage: the running block's shared memory
+    size_t size = 0;
+    uintptr_t module_lo = 0, module_hi = 0;  // its loaded segments: code, constants, __device__ variables
+};
 #if defined(__linux__)
-inline int find_tls(struct dl_phdr_info* info, size_t, void* data) {
+EMU_UNCHECKED inline int find_tls(struct dl_phdr_info* info, size_t, void* data) {
     auto* out = static_cast<TlsRange*>(data);
     uintptr_t me = reinterpret_cast<uintptr_t>(&find_tls);
     bool mine = false;
     size_t tls_size = 0;
+    uintptr_t module_lo = UINTPTR_MAX, module_hi = 0;
     for (int i = 0; i < info->dlpi_phnum; ++i) {
         const auto& ph = info->dlpi_phdr[i];
         if (ph.p_type == PT_LOAD && me >= info->dlpi_addr + ph.p_vaddr && me < info->dlpi_addr + ph.p_vaddr + ph.p_memsz)
             mine = true;
+        if (ph.p_type == PT_LOAD) {
+            uintptr_t lo = info->dlpi_addr + ph.p_vaddr, hi = lo + ph.p_memsz;
+            module_lo = std::min(module_lo, lo);
+            module_hi = std::max(module_hi, hi);
+        }
         if (ph.p_type == PT_TLS) tls_size = ph.p_memsz;
     }
     if (!mine) return 0;
     out->start = static_cast<char*>(info->dlpi_tls_data);
     out->size = tls_size;
+    out->module_lo = module_lo;
+    out->module_hi = module_hi;
     return 1;
 }
 #endif
 inline thread_local char tls_anchor;  // touching it makes the loader allocate this module's TLS block
-inline TlsRange shared_memory_range() {
+EMU_UNCHECKED inline TlsRange shared_memory_range() {
     TlsRange range;
     tls_anchor = 1;
 #if defined(__linux__)
@@ -385,7 +425,7 @@ inline TlsRange shared_memory_range() {
     return range;  // elsewhere (macOS): not found, shared memory is not poisoned
 }
 
-inline unsigned long long next_random() {  // splitmix64
+EMU_UNCHECKED inline unsigned long long next_random() {  // splitmix64
     unsigned long long z = (L.rng += 0x9e3779b97f4a7c15ull);
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
@@ -394,9 +434,9 @@ inline unsigned long long next_random() {  // splitmix64
 
 // Append to msg what the threads of the block that wait at a barrier or collective wait for (at most 6),
 // the first after `lead`.
-inline int describe_waiting(char* msg, int len, int size, const char* lead) {
+EMU_UNCHECKED inline int describe_waiting(char* msg, int len, int size, const char* lead) {
     int shown = 0;
-    for (auto& g : L.fibers) {
+    for (Fiber& g : fibers_in_use()) {
         if ((g.state != ST_BARRIER && g.state != ST_WARP) || shown >= 6 || len >= size - 200) continue;
         len += snprintf(msg + len, size - len, "%sthread %d waits at %s (%s:%d)", shown ? "; " : lead, g.lin,
                         g.state == ST_BARRIER ? "__syncthreads()" : op_name(g.op), g.file, g.line);
@@ -415,7 +455,7 @@ inline int describe_waiting(char* msg, int len, int size, const char* lead) {
     return len;
 }
 
-inline void fill_stack(Fiber& f) {  // a fresh start: the fiber's first switch enters fiber_main
+EMU_UNCHECKED inline void fill_stack(Fiber& f) {  // a fresh start: the fiber's first switch enters fiber_main
 #ifdef EMU_FAST_SWITCH
     // a stack that emu_switch "returns" into emu_fiber_start: FP control words, six zeroed registers,
     // then the return address
@@ -437,10 +477,11 @@ inline void fill_stack(Fiber& f) {  // a fresh start: the fiber's first switch e
 }
 
 // schedule: 0 = in order, 1 = reverse, 2 = seeded shuffle redrawn on every pass. Returns L.result.
-inline int run_block(int schedule, TlsRange shared) {
+EMU_UNCHECKED inline int run_block(int schedule, TlsRange shared) {
     if (shared.start) memset(shared.start, 0xff, shared.size);
+    on_barrier();  // nothing of the block before orders anything of this one
     L.n_done = L.n_barrier = 0;
-    for (Fiber& f : L.fibers) {
+    for (Fiber& f : fibers_in_use()) {
         f.state = ST_RUN;
         f.value = f.result = 0;
         f.op = f.line = 0;
@@ -449,13 +490,18 @@ inline int run_block(int schedule, TlsRange shared) {
     }
     for (;;) {
         if (schedule == 2)
-            for (int i = L.n - 1; i > 0; --i) std::swap(L.order[i], L.order[next_random() % (i + 1)]);
+            for (int i = L.n - 1; i > 0; --i) {
+                const int j = static_cast<int>(next_random() % (i + 1)), t = L.order[i];
+                L.order[i] = L.order[j], L.order[j] = t;
+            }
         bool progressed = false;
-        for (int i : L.order) {
+        for (int k = 0; k < L.n; ++k) {
+            const int i = L.order[k];
             Fiber* f = &L.fibers[i];
             if (f->state != ST_RUN) continue;
             to_fiber(f);
             cur = nullptr;
+            checking = 0;
             progressed = true;
             if (L.result) return L.result;
         }
@@ -471,7 +517,7 @@ inline int run_block(int schedule, TlsRange shared) {
     }
 }
 
-inline size_t stack_bytes() {
+EMU_UNCHECKED inline size_t stack_bytes() {
     const char* env = getenv("VLLMINI_EMULATOR_STACK_KB");
     size_t kb = env ? strtoull(env, nullptr, 10) : 0;
 #ifdef EMU_ASAN
@@ -484,7 +530,7 @@ inline size_t stack_bytes() {
 
 // ---- leaving a launch from a signal handler: memory faults, and stops asked for by another thread
 #define EMU_STOP_SIGNAL SIGURG  // ignored by default, so one arriving late does nothing; Python leaves it alone
-inline sigjmp_buf abandon;                       // the end of launch(): faults and stops jump here
+EMU_UNCHECKED inline sigjmp_buf abandon;                       // the end of launch(): faults and stops jump here
 inline volatile sig_atomic_t in_grid = 0;        // 1 while run_grid runs, so a jump to `abandon` is safe
 inline pthread_mutex_t stop_mutex = PTHREAD_MUTEX_INITIALIZER;
 inline pthread_t launch_thread;                  // the OS thread that runs launch running_id
@@ -492,7 +538,7 @@ inline unsigned long long running_id = 0;        // 0 = no launch in progress (b
 inline std::atomic<unsigned long long> stop_id{0};  // the launch asked to stop, and why
 inline std::atomic<int> stop_reason{OK};
 
-inline void set_running(unsigned long long id) {
+EMU_UNCHECKED inline void set_running(unsigned long long id) {
     pthread_mutex_lock(&stop_mutex);
     running_id = id;
     launch_thread = pthread_self();
@@ -500,7 +546,7 @@ inline void set_running(unsigned long long id) {
 }
 
 // Any thread: stop launch `id` (INTERRUPTED or TIME_LIMIT), now if it runs, at its start if it has not begun.
-inline void request_stop(unsigned long long id, int reason) {
+EMU_UNCHECKED inline void request_stop(unsigned long long id, int reason) {
     pthread_mutex_lock(&stop_mutex);
     stop_reason = reason;
     stop_id = id;
@@ -508,8 +554,9 @@ inline void request_stop(unsigned long long id, int reason) {
     pthread_mutex_unlock(&stop_mutex);
 }
 
-[[noreturn]] inline void stop_now() {  // on the launching thread: say where the launch was, then leave
+[[noreturn]] EMU_UNCHECKED inline void stop_now() {  // on the launching thread: say where the launch was, then leave
     in_grid = 0;
+    checking = 0;  // it may have interrupted kernel code
     L.result = stop_reason;
     int len = snprintf(error_message, sizeof error_message, "%s in block (%u,%u,%u) of grid (%u,%u,%u) (%llu blocks "
                        "finished before it)", L.result == TIME_LIMIT ? "time limit reached" : "interrupted",
@@ -527,45 +574,82 @@ inline void request_stop(unsigned long long id, int reason) {
     siglongjmp(abandon, 1);
 }
 
-inline void on_stop_signal(int) {
+EMU_UNCHECKED inline void on_stop_signal(int) {
     if (in_grid && stop_id == L.id) stop_now();  // else run_grid sees stop_id before its next block
 }
 
-struct SavedHandlers { stack_t alt_stack; struct sigaction segv, bus, stop; };
+struct SavedHandlers { stack_t alt_stack; struct sigaction segv, bus, fpe, ill, stop; };
 inline SavedHandlers saved;  // the handlers a launch replaced, put back when it ends
+EMU_UNCHECKED inline struct sigaction* saved_action(int sig) {
+    return sig == SIGBUS ? &saved.bus : sig == SIGFPE ? &saved.fpe : sig == SIGILL ? &saved.ill : &saved.segv;
+}
+constexpr int FAULT_SIGNALS[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL};  // a kernel's fault: KernelError, never a crash
 
-inline void on_fault(int sig, siginfo_t* info, void*) {
+// Where the faulting instruction is, as an offset into this library + 1 (0: unknown or elsewhere, e.g. libc).
+EMU_UNCHECKED inline unsigned long long fault_pc(void* context) {
+    uintptr_t pc = 0;
+#if defined(__linux__) && defined(__x86_64__)
+    pc = static_cast<uintptr_t>(static_cast<ucontext_t*>(context)->uc_mcontext.gregs[REG_RIP]);
+#elif defined(__linux__) && defined(__aarch64__)
+    pc = static_cast<uintptr_t>(static_cast<ucontext_t*>(context)->uc_mcontext.pc);
+#endif
+    Dl_info where{};
+    if (!pc || !module_base || !dladdr(reinterpret_cast<void*>(pc), &where) ||
+        reinterpret_cast<uintptr_t>(where.dli_fbase) != module_base)
+        return 0;
+    return pc - module_base + 1;
+}
+
+EMU_UNCHECKED inline const char* signal_text(int sig, int code) {
+    switch (sig) {
+        case SIGFPE:
+            return code == FPE_INTDIV || code == FPE_INTOVF
+                       ? "integer division by zero (SIGFPE: x / 0 or x % 0 on integers, or INT_MIN / -1)"
+                       : "arithmetic exception (SIGFPE)";
+        case SIGILL: return "illegal instruction (SIGILL)";
+        case SIGBUS: return "bus error (SIGBUS)";
+        default: return "segmentation fault";
+    }
+}
+
+EMU_UNCHECKED inline void on_fault(int sig, siginfo_t* info, void* context) {
     if (!in_grid || !pthread_equal(pthread_self(), launch_thread)) {
         // not the kernel's fault (another thread's): the old handler takes it when the instruction faults again
-        sigaction(sig, sig == SIGBUS ? &saved.bus : &saved.segv, nullptr);
+        sigaction(sig, saved_action(sig), nullptr);
         return;
     }
+    checking = 0;
     char where[160] = "the launcher";
     if (cur) describe_thread(where, sizeof where, self());
     const char* addr = static_cast<const char*>(info->si_addr);
     long page = sysconf(_SC_PAGESIZE);
     bool overflow = false;
-    for (char* stack : L.stacks) overflow |= addr >= stack - page && addr < stack;
+    for (char* stack : Span_of<char*>{L.stacks, L.stacks + L.n_stacks}) overflow |= sig == SIGSEGV && addr >= stack - page && addr < stack;
+    memset(error_info, 0, sizeof error_info);
+    error_info[0] = ERR_SIGNAL;
+    error_info[1] = reinterpret_cast<uintptr_t>(addr);
+    error_info[4] = fault_pc(context);
+    error_info[11] = sig;
     if (overflow)
         snprintf(error_message, sizeof error_message,
                  "%s: stack overflow: the thread's local variables need more than the %zu KiB fiber stack "
                  "(set VLLMINI_EMULATOR_STACK_KB to more)", where, L.stack_size / 1024);
-    else
+    else if (sig == SIGSEGV || sig == SIGBUS)
         snprintf(error_message, sizeof error_message,
                  "%s: %s at address %p: the kernel touched memory it does not own (an index out of bounds?); "
-                 "run it with checked=True to find the line", where, sig == SIGBUS ? "bus error" : "segmentation fault",
-                 info->si_addr);
+                 "run it with checked=True to find the line", where, signal_text(sig, info->si_code), info->si_addr);
+    else
+        snprintf(error_message, sizeof error_message, "%s: %s", where, signal_text(sig, info->si_code));
     in_grid = 0;
     L.result = KERNEL_ERROR;
     siglongjmp(abandon, 1);
 }
 
 // Install the fault handlers (not under AddressSanitizer, which has its own) and the stop handler.
-inline void install_handlers() {
+EMU_UNCHECKED inline void install_handlers() {
     struct sigaction action{};
     sigemptyset(&action.sa_mask);
-    sigaddset(&action.sa_mask, SIGSEGV);  // the handlers never interrupt each other
-    sigaddset(&action.sa_mask, SIGBUS);
+    for (int sig : FAULT_SIGNALS) sigaddset(&action.sa_mask, sig);  // the handlers never interrupt each other
     sigaddset(&action.sa_mask, EMU_STOP_SIGNAL);
     action.sa_flags = SA_ONSTACK;
     action.sa_handler = on_stop_signal;
@@ -578,26 +662,25 @@ inline void install_handlers() {
     sigaltstack(&stack, &saved.alt_stack);
     action.sa_flags = SA_SIGINFO | SA_ONSTACK;
     action.sa_sigaction = on_fault;
-    sigaction(SIGSEGV, &action, &saved.segv);
-    sigaction(SIGBUS, &action, &saved.bus);
+    for (int sig : FAULT_SIGNALS) sigaction(sig, &action, saved_action(sig));
 #endif
 }
 
 // Put the old handlers back. SIG_IGN first discards a stop signal still pending (POSIX says so), so a late
 // one never reaches the old handler.
-inline void restore_handlers() {
+EMU_UNCHECKED inline void restore_handlers() {
     struct sigaction ignore{};
     ignore.sa_handler = SIG_IGN;
     sigaction(EMU_STOP_SIGNAL, &ignore, nullptr);
     sigaction(EMU_STOP_SIGNAL, &saved.stop, nullptr);
 #ifndef EMU_ASAN
-    sigaction(SIGSEGV, &saved.segv, nullptr);
-    sigaction(SIGBUS, &saved.bus, nullptr);
+    for (int sig : FAULT_SIGNALS) sigaction(sig, saved_action(sig), nullptr);
     sigaltstack(&saved.alt_stack, nullptr);
 #endif
 }
 
-int kernel_printf(const char* format, ...) {  // blocks the stop signal while stdio holds its lock
+EMU_UNCHECKED int kernel_printf(const char* format, ...) {  // blocks the stop signal while stdio holds its lock
+    Unchecked runtime;
     sigset_t stop, old;
     sigemptyset(&stop);
     sigaddset(&stop, EMU_STOP_SIGNAL);
@@ -610,7 +693,7 @@ int kernel_printf(const char* format, ...) {  // blocks the stop signal while st
     return written;
 }
 
-inline void run_grid(const unsigned int grid[3], int schedule, TlsRange shared) {
+EMU_UNCHECKED inline void run_grid(const unsigned int grid[3], int schedule, TlsRange shared) {
     for (unsigned int z = 0; z < grid[2]; ++z)
         for (unsigned int y = 0; y < grid[1]; ++y)
             for (unsigned int x = 0; x < grid[0]; ++x) {
@@ -622,11 +705,12 @@ inline void run_grid(const unsigned int grid[3], int schedule, TlsRange shared) 
 }
 
 // Set up L for a launch: sizes, fibers, stacks (kept for later launches), the thread order.
-inline bool prepare(void (*entry)(void**), void** args, const unsigned int grid[3], const unsigned int block[3],
+EMU_UNCHECKED inline bool prepare(void (*entry)(void**), void** args, const unsigned int grid[3], const unsigned int block[3],
                     int schedule, unsigned long long seed, unsigned long long id) {
     L.result = OK;
     L.blocks_done = 0;
     error_message[0] = 0;
+    memset(error_info, 0, sizeof error_info);
     L.entry = entry;
     L.args = args;
     L.id = id;
@@ -636,18 +720,17 @@ inline bool prepare(void (*entry)(void**), void** args, const unsigned int grid[
     block_dim = dim3(block[0], block[1], block[2]);
     if (L.stack_size == 0) L.stack_size = stack_bytes();
     long page = sysconf(_SC_PAGESIZE);
-    while (static_cast<int>(L.stacks.size()) < L.n) {
+    while (L.n_stacks < L.n) {
         void* p = mmap(nullptr, L.stack_size + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (p == MAP_FAILED) {
             snprintf(error_message, sizeof error_message, "out of memory for thread stacks");
             return false;
         }
         mprotect(p, page, PROT_NONE);  // guard page: a stack overflow faults instead of corrupting memory
-        L.stacks.push_back(static_cast<char*>(p) + page);
+        L.stacks[L.n_stacks++] = static_cast<char*>(p) + page;
     }
-    L.fibers.assign(L.n, Fiber());
-    L.order.resize(L.n);
     for (int i = 0; i < L.n; ++i) {
+        L.fibers[i] = Fiber();
         L.fibers[i].lin = i;
         L.fibers[i].tid = uint3{i % block[0], (i / block[0]) % block[1], i / (block[0] * block[1])};
         L.order[i] = schedule == 1 ? L.n - 1 - i : i;
@@ -655,10 +738,14 @@ inline bool prepare(void (*entry)(void**), void** args, const unsigned int grid[
     return true;
 }
 
-inline int launch(void (*entry)(void**), void** args, const unsigned int grid[3], const unsigned int block[3],
+EMU_UNCHECKED inline int launch(void (*entry)(void**), void** args, const unsigned int grid[3], const unsigned int block[3],
                   int schedule, unsigned long long seed, unsigned long long id) {
     if (!prepare(entry, args, grid, block, schedule, seed, id)) return KERNEL_ERROR;
     TlsRange shared = shared_memory_range();
+    if (!begin_checks(shared.start, shared.size, shared.module_lo, shared.module_hi)) {
+        end_checks();
+        return KERNEL_ERROR;
+    }
     install_handlers();
     set_running(id);
     if (sigsetjmp(abandon, 1) == 0) {
@@ -666,6 +753,7 @@ inline int launch(void (*entry)(void**), void** args, const unsigned int grid[3]
         run_grid(grid, schedule, shared);
     }
     in_grid = 0;
+    end_checks();
     set_running(0);  // from here on, request_stop sends no signal
     restore_handlers();
     cur = nullptr;
@@ -722,11 +810,11 @@ template <class... A> inline std::string signature(void (*)(A...)) {
     return s;
 }
 template <class... A, size_t... I>
-inline void invoke(void (*k)(A...), void** a, std::index_sequence<I...>) {
+EMU_UNCHECKED inline void invoke(void (*k)(A...), void** a, std::index_sequence<I...>) {
     k(*static_cast<std::remove_cv_t<A>*>(a[I])...);
 }
 // Call kernel k with arguments a[i] (each a pointer to the value, as in cuLaunchKernel's kernelParams).
-template <class... A> inline void call(void (*k)(A...), void** a) { invoke(k, a, std::index_sequence_for<A...>()); }
+template <class... A> EMU_UNCHECKED inline void call(void (*k)(A...), void** a) { invoke(k, a, std::index_sequence_for<A...>()); }
 
 struct KernelEntry { const char* name; void (*entry)(void**); std::string (*signature)(); };
 
