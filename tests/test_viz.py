@@ -1,7 +1,6 @@
 """Tests for vllmini.viz: the static page-table figure and the interactive explorer (driven by clicking its
 buttons programmatically). Viz must only read what it draws."""
 
-import io
 import re
 
 import matplotlib
@@ -536,7 +535,10 @@ def test_explorer_caps_fork_samples():
     assert e.errors["samples"] == "samples takes a whole number from 2 to 8, got '9'"
     assert e.manager.seq_ids == [0]
     e.set_inputs(samples=1)  # typing is checked at once, before any click
-    assert e.view.state["errors"]["samples"].endswith("got '1'") and e.labels()["fork"] == "fork seq 0 → ? samples"
+    assert (
+        e.view.state["errors"]["samples"].endswith("got '1'")
+        and e.labels()["fork"] == "fork seq 0 → ? samples"
+    )
     e.click("fork", samples=8)
     assert len(e.manager.seq_ids) == 8
 
@@ -646,7 +648,9 @@ def test_explorer_without_a_sequence_reports_it():
     e = PageTableExplorer(num_blocks=4, block_size=2)
     for name in ("append", "fork", "free"):
         e.click(name)  # disabled in the browser; a click from code still gets an answer
-        assert e.last_error == "no sequence selected: add one first" and "no sequence selected" in e.view.status
+        assert (
+            e.last_error == "no sequence selected: add one first" and "no sequence selected" in e.view.status
+        )
     assert e.manager.seq_ids == []
 
 

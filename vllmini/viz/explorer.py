@@ -61,7 +61,9 @@ class PageTableExplorer(BackgroundPainter):
         self.block_size = as_int(block_size, "block_size", min=1)
         self.max_tokens = self.num_blocks * self.block_size
         self.prefix_caching, self.watermark_blocks = prefix_caching, watermark_blocks
-        self.playground = PageTablePlayground(self.num_blocks, self.block_size, prefix_caching, watermark_blocks)
+        self.playground = PageTablePlayground(
+            self.num_blocks, self.block_size, prefix_caching, watermark_blocks
+        )
         self.last_error: str | None = None
         self.last_action = "empty pool: add a sequence"
         self.history: list[str] = []  # what every successful action did, oldest first (reset empties it)
@@ -254,7 +256,9 @@ class PageTableExplorer(BackgroundPainter):
         self.colors = assign_colors(self.manager.seq_ids, self.colors)
         self.focus = [s for s in focus if s in self.manager]
         blocks = [dst for _, dst in self.last_copies]
-        blocks += [self.manager.block_table(s).block_ids[-1] for s in self.focus[:1] if self.manager.seq_len(s)]
+        blocks += [
+            self.manager.block_table(s).block_ids[-1] for s in self.focus[:1] if self.manager.seq_len(s)
+        ]
         if blocks:
             self.page = page_of(blocks[0], self.num_blocks)
         self.refresh()
@@ -291,12 +295,16 @@ class PageTableExplorer(BackgroundPainter):
             add = f"add a sequence of {count}"
         else:
             head = min(tokens, len(source))
-            add = f"add {count}: seq {prefix}'s first {head}" + (f" + {tokens - head} new" if tokens > head else "")
+            add = f"add {count}: seq {prefix}'s first {head}" + (
+                f" + {tokens - head} new" if tokens > head else ""
+            )
         first = self.next_seq_id
         if samples is None:
             children = "? samples"
         else:
-            children = f"seq {first}" if samples == 2 else f"seqs {first}–{first + samples - 2} ({samples} samples)"
+            children = (
+                f"seq {first}" if samples == 2 else f"seqs {first}–{first + samples - 2} ({samples} samples)"
+            )
         none = seq is None
         return {
             "add": add,
@@ -328,7 +336,10 @@ class PageTableExplorer(BackgroundPainter):
         state = {
             "seqs": [[f"seq {s} · {plural(self.manager.seq_len(s), 'token')}", str(s)] for s in ids],
             "prefixes": [["new tokens", NEW_TOKENS]]
-            + [[f"seq {s}'s {len(t)} tokens" + ("" if s in ids else " (freed)"), str(s)] for s, t in tokens.items()],
+            + [
+                [f"seq {s}'s {len(t)} tokens" + ("" if s in ids else " (freed)"), str(s)]
+                for s, t in tokens.items()
+            ],
             "labels": self.labels(),
             "disabled": {name: not ids for name in ("append", "fork", "free", "step")},
             "errors": self.errors,

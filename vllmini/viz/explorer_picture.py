@@ -88,7 +88,7 @@ class Picture:
 
 
 def block_kind(b: int, snap: Snapshot) -> str:
-    """"cached" (free, still named in the prefix cache), "free", "pinned" (freed, kept as the source of
+    """ "cached" (free, still named in the prefix cache), "free", "pinned" (freed, kept as the source of
     a pending copy), "shared" (several owners) or "used" (one)."""
     if b in snap.cached_free:
         return "cached"
@@ -143,7 +143,14 @@ def _pool_look(b: int, kind: str, snap: Snapshot, colors: dict) -> tuple:
         first = " (1st out)" if b == snap.cached_free[0] else ""
         return (CACHED_FACE,), bs, CACHED_EDGE, 2.0, None, f"{b} {CACHED_FREE}{first}"
     if kind == "free":
-        return (FREE_FACE,), bs, FREE_EDGE, 1.2, "4 3", f"{b} free" + (" (next)" if b == snap.free_ids[0] else "")
+        return (
+            (FREE_FACE,),
+            bs,
+            FREE_EDGE,
+            1.2,
+            "4 3",
+            f"{b} free" + (" (next)" if b == snap.free_ids[0] else ""),
+        )
     filled = snap.fill.get(b, 0)
     if kind == "pinned":
         return (PINNED,), filled, GREY, 1.6, "2 2", f"{b} copy source"
@@ -162,7 +169,8 @@ def _pool_look(b: int, kind: str, snap: Snapshot, colors: dict) -> tuple:
 def _overview(out, f: Frame, snap: Snapshot, kinds: list, colors: dict, blocks: range) -> None:
     c, h = f.strip_cell, f.strip_row
     out.append(_text(10, 12, f"the whole pool: {plural(f.num_blocks, 'block')}, one cell each "
-                     f"(outlined: blocks {blocks.start}–{blocks.stop - 1}, drawn below)", SMALL, "#444444"))  # fmt: skip
+                     f"(outlined: blocks {blocks.start}–{blocks.stop - 1}, drawn below)",
+                     SMALL, "#444444"))  # fmt: skip
     for b, kind in enumerate(kinds):
         row, col = divmod(b, f.strip_per_row)
         fill = colors.get(snap.owners[b][0], GREY) if kind == "used" else OVERVIEW_COLORS[kind]
@@ -179,7 +187,9 @@ def _choose_seqs(snap: Snapshot, blocks: range, focus: list) -> tuple[list, int]
     window, then the others, as many as fit in WINDOW_ROWS rows."""
     in_window = [k for k, (_, ids, _) in enumerate(snap.seqs) if any(b in blocks for b in ids)]
     by_id = {s: k for k, (s, _, _) in enumerate(snap.seqs)}
-    order = list(dict.fromkeys([*(by_id[s] for s in focus if s in by_id), *in_window, *range(len(snap.seqs))]))
+    order = list(
+        dict.fromkeys([*(by_id[s] for s in focus if s in by_id), *in_window, *range(len(snap.seqs))])
+    )
     chosen, rows = [], 0
     for k in order:
         need = min(max(1, len(snap.seqs[k][1])), MAX_ROWS_PER_SEQ)
@@ -232,14 +242,17 @@ def draw_explorer_picture(snap: Snapshot, colors: dict, page: int = 0, highlight
         if len(ids) > MAX_ROWS_PER_SEQ:
             shown = [*range(MAX_ROWS_PER_SEQ - 2), None, len(ids) - 1]
         y0 = top + row * ROW
-        out.append(_text(SEQ_W - 8, y0 + BOX / 2, f"seq {s} · {count} tok", FONT, colors[s], "end", bold=True))
+        out.append(
+            _text(SEQ_W - 8, y0 + BOX / 2, f"seq {s} · {count} tok", FONT, colors[s], "end", bold=True)
+        )
         rows = max(1, len(shown))
         out.append(_rect(SEQ_W - 2, y0, 4, (rows - 1) * ROW + BOX, colors[s]))
         for i in shown:
             y = top + row * ROW
             row += 1
             if i is None:
-                out.append(_text(lx + 6, y + BOX / 2, f"⋮ {plural(len(ids) - MAX_ROWS_PER_SEQ + 1, 'more block')}",
+                more = plural(len(ids) - MAX_ROWS_PER_SEQ + 1, "more block")
+                out.append(_text(lx + 6, y + BOX / 2, f"⋮ {more}",
                                  FONT, colors[s]))  # fmt: skip
                 continue
             b, filled = ids[i], min(bs, count - i * bs)
@@ -248,7 +261,9 @@ def draw_explorer_picture(snap: Snapshot, colors: dict, page: int = 0, highlight
             _block(out, f, lx, y, (colors[s],), filled, colors[s], 1.6, None, numbers, f"logical:{s}:{i}")
             if b in where:
                 x, yb = where[b]
-                arrows.append((lx + BLOCK_W + 2, y + BOX / 2, x - 3, yb + BOX / 2, colors[s], f"arrow:{s}:{i}->{b}"))
+                arrows.append(
+                    (lx + BLOCK_W + 2, y + BOX / 2, x - 3, yb + BOX / 2, colors[s], f"arrow:{s}:{i}->{b}")
+                )
             else:
                 out.append(_text(lx + BLOCK_W + 5, y + BOX / 2, f"→ {b}", SMALL, colors[s]))
         if not ids:
@@ -264,7 +279,8 @@ def draw_explorer_picture(snap: Snapshot, colors: dict, page: int = 0, highlight
             end = (xd + BLOCK_W + 2, yd + BOX / 2)
             out.append(f"<g data-gid='copy:{src}->{dst}'><path d='M {xs + BLOCK_W + 2} {ys + BOX / 2} C {x} "
                        f"{ys + BOX / 2}, {x} {yd + BOX / 2}, {end[0]} {end[1]}' fill='none' stroke='black' "
-                       f"stroke-dasharray='5 3' stroke-width='1.4'/>{_head(x, end[1], *end, 'black')}</g>")  # fmt: skip
+                       f"stroke-dasharray='5 3' stroke-width='1.4'/>"
+                       f"{_head(x, end[1], *end, 'black')}</g>")  # fmt: skip
     _footer(out, f, snap, hidden)
     return Picture(_svg(f, out), page, blocks, [snap.seqs[k][0] for k in chosen], hidden)
 
@@ -272,14 +288,19 @@ def draw_explorer_picture(snap: Snapshot, colors: dict, page: int = 0, highlight
 def _footer(out, f: Frame, snap: Snapshot, hidden: int) -> None:
     y = f.top + WINDOW_ROWS * ROW + 4
     more = f"; {plural(hidden, 'more sequence')} not drawn here (see the overview)" if hidden else ""
-    for name, ids in (("free list (next first)", snap.free_ids), (f"{CACHED_FREE} (evicted first to last)", snap.cached_free)):
+    for name, ids in (
+        ("free list (next first)", snap.free_ids),
+        (f"{CACHED_FREE} (evicted first to last)", snap.cached_free),
+    ):
         shown = ", ".join(map(str, ids[:12])) + (", …" if len(ids) > 12 else "")
         out.append(_text(10, y + 8, f"{name}: [{shown}]" + more, SMALL, "#444444"))
         y, more = y + 20, ""
     entries = [
         ("seq colour: that sequence's tokens (colours go to live sequences)", {"fill": "#1f77b4"}),
-        ("shared ×N: N sequences point at it (its reference count)", {"fill": "white", "stroke": SHARED_FRAME, "width": 2.6}),
-        (f"{CACHED_FREE}: free, keeps its prefix until evicted (oldest first)", {"fill": CACHED_FACE, "stroke": CACHED_EDGE, "width": 2}),
+        ("shared ×N: N sequences point at it (its reference count)",
+         {"fill": "white", "stroke": SHARED_FRAME, "width": 2.6}),
+        (f"{CACHED_FREE}: free, keeps its prefix until evicted (oldest first)",
+         {"fill": CACHED_FACE, "stroke": CACHED_EDGE, "width": 2}),
         ("free", {"fill": FREE_FACE, "stroke": FREE_EDGE, "dash": "4 3"}),
         ("just copied (copy-on-write); dashed arc: source → copy", {"fill": HIGHLIGHT}),
         ("copy source: freed, kept until its copy is made", {"fill": PINNED, "dash": "2 2", "stroke": GREY}),
@@ -306,7 +327,8 @@ def _head(x0, y0, x1, y1, color) -> str:
 
 def _svg(f: Frame, body: list[str]) -> str:
     return (
-        f"<svg xmlns='http://www.w3.org/2000/svg' class='vllmini-picture' width='{f.width}' height='{f.height}' "
+        f"<svg xmlns='http://www.w3.org/2000/svg' class='vllmini-picture' width='{f.width}' "
+        f"height='{f.height}' "
         f"viewBox='0 0 {f.width} {f.height}' font-family='Liberation Sans, Arial, Helvetica, sans-serif'>"
         f"{''.join(body)}</svg>"
     )

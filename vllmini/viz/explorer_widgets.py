@@ -53,7 +53,12 @@ function render({ model, el }) {
   const fields = {}, buttons = {};
   let clicks = 0, chosen = -1;
   const values = () => Object.fromEntries(FIELDS.map(([name]) => [name, fields[name].input.value]));
-  const sendInputs = () => { model.set("inputs", values()); model.save_changes(); };
+  let edits = 0;  // only the box just edited: the others may hold a choice the kernel made meanwhile
+  const sendInput = (name) => {
+    edits += 1;
+    model.set("inputs", { [name]: fields[name].input.value, edit: edits });
+    model.save_changes();
+  };
   for (const [name, label, kind] of FIELDS) {
     const row = h("label", "vllmini-field vllmini-" + name);
     row.title = tips[name];
@@ -62,10 +67,13 @@ function render({ model, el }) {
     const error = h("div", "vllmini-input-error");
     row.append(h("span", "vllmini-name", label), input, error);
     controls.append(row);
-    input.addEventListener(kind === "select" ? "change" : "input", sendInputs);
+    input.addEventListener(kind === "select" ? "change" : "input", () => sendInput(name));
     fields[name] = { input, error };
   }
-  const send = (action, extra) => { clicks += 1; model.send({ action, ...values(), ...extra, click: clicks }); };
+  const send = (action, extra) => {
+    clicks += 1;
+    model.send({ action, ...values(), ...extra, click: clicks });
+  };
   for (const name of ACTIONS) {
     const b = h("button", "vllmini-action vllmini-" + name);
     b.title = tips[name];
@@ -82,7 +90,11 @@ function render({ model, el }) {
   controls.append(pager);
   const setOptions = (select, options) => {
     const value = select.value;
-    select.replaceChildren(...options.map(([label, v]) => { const o = h("option", "", label); o.value = v; return o; }));
+    select.replaceChildren(...options.map(([label, v]) => {
+      const o = h("option", "", label);
+      o.value = v;
+      return o;
+    }));
     if (options.some(([, v]) => v === value)) select.value = value;
   };
   const update = () => {
@@ -91,9 +103,14 @@ function render({ model, el }) {
     setOptions(fields.prefix.input, s.prefixes);
     if (s.choose.n !== chosen) {  // the kernel picks a value (at the start, after add, fork or reset)
       chosen = s.choose.n;
-      for (const [name, value] of Object.entries(s.choose)) if (name in fields) fields[name].input.value = value;
+      for (const [name, value] of Object.entries(s.choose)) {
+        if (name in fields) fields[name].input.value = value;
+      }
     }
-    for (const name of ACTIONS) { buttons[name].textContent = s.labels[name]; buttons[name].disabled = !!s.disabled[name]; }
+    for (const name of ACTIONS) {
+      buttons[name].textContent = s.labels[name];
+      buttons[name].disabled = !!s.disabled[name];
+    }
     for (const [name, f] of Object.entries(fields)) {
       f.error.textContent = s.errors[name] || "";
       f.input.classList.toggle("vllmini-bad", !!s.errors[name]);
@@ -158,7 +175,7 @@ def read_int(value, name: str, low: int, high: int) -> int:
 
 
 def explorer_view():
-    """The widget: `state`, `status` and `picture` go to the browser, `inputs` (what the boxes hold, for
+    """The widget: `state`, `status` and `picture` go to the browser, `inputs` (the box just edited, for
     the button labels) comes back; clicks arrive as custom messages (`on_msg`)."""
     import anywidget
     import traitlets

@@ -56,7 +56,9 @@ def _prefix_note(found: list[int], head: int, num_tokens: int, block_size: int, 
             "no prefix-cache hit: the prompt's only full block holds its last token, which is always "
             "recomputed (its logits give the next token)"
         )
-    note = f"prefix cache hit: shares {plural(len(found), 'block')} {found}" if found else "no prefix-cache hit"
+    note = (
+        f"prefix cache hit: shares {plural(len(found), 'block')} {found}" if found else "no prefix-cache hit"
+    )
     if len(found) < wanted:
         note += f"; block {len(found)} of seq {source}'s prefix is not cached (evicted, or never full)"
     if whole > lookable:
@@ -70,7 +72,9 @@ def _prefix_note(found: list[int], head: int, num_tokens: int, block_size: int, 
 class PageTablePlayground:
     """Add, grow, fork, free and step sequences on one pool; all-or-nothing, each with a message."""
 
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True, watermark_blocks: int = 0):
+    def __init__(
+        self, num_blocks: int, block_size: int, prefix_caching: bool = True, watermark_blocks: int = 0
+    ):
         self.manager = BlockManager(
             num_blocks, block_size, watermark_blocks=watermark_blocks, enable_prefix_caching=prefix_caching
         )
@@ -134,8 +138,8 @@ class PageTablePlayground:
             needed = self.manager.blocks_needed(num_tokens, shared)
             found = f" ({plural(len(shared), 'block')} found in the prefix cache)" if shared else ""
             raise OutOfBlocksError(
-                f"seq {seq_id} with {plural(num_tokens, 'token')} needs {plural(needed, 'new block')}{found}, "
-                f"but {free_blocks_text(self.manager)}"
+                f"seq {seq_id} with {plural(num_tokens, 'token')} needs {plural(needed, 'new block')}"
+                f"{found}, but {free_blocks_text(self.manager)}"
             )
         slots = self.manager.allocate(seq_id, num_tokens, shared=shared)
         self.next_seq_id += 1
@@ -145,7 +149,9 @@ class PageTablePlayground:
         if prefix_of is not None:
             message += f", the first {len(head)} from seq {prefix_of}"
             if self.manager.prefix_cache is not None:
-                message += "; " + _prefix_note(shared, len(head), num_tokens, self.manager.block_size, prefix_of)
+                message += "; " + _prefix_note(
+                    shared, len(head), num_tokens, self.manager.block_size, prefix_of
+                )
         return self._finish(message, slots, before)
 
     def append(self, seq_id, num_tokens: int) -> str:
@@ -188,7 +194,9 @@ class PageTablePlayground:
         message = f"freed seq {seq_id}"
         if kept:
             stay = "stays" if len(kept) == 1 else "stay"
-            message += f"; {plural(len(kept), 'block')} {kept} {stay} cached (free, found again by their hash)"
+            message += (
+                f"; {plural(len(kept), 'block')} {kept} {stay} cached (free, found again by their hash)"
+            )
         return self._finish(message, [], before)
 
     def step(self) -> str:
@@ -200,7 +208,9 @@ class PageTablePlayground:
         before, starts = self._cached_free(), {s: self.manager.seq_len(s) for s in seq_ids}
         try:
             slots = self._on_a_copy(lambda manager: [manager.append(s, 1)[0] for s in seq_ids])
-        except OutOfBlocksError:  # say what the whole step needs, not what the first sequence short of it does
+        except (
+            OutOfBlocksError
+        ):  # say what the whole step needs, not what the first sequence short of it does
             raise OutOfBlocksError(
                 f"step needs {plural(self._step_needs(seq_ids), 'new block')} (one for each sequence whose "
                 f"last block is full, or shared and partly full), but {free_blocks_text(self.manager)}"
