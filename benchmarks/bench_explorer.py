@@ -26,7 +26,12 @@ def script(num_blocks: int, block_size: int) -> list[tuple[str, dict]]:
     clicks = [("add", {"tokens": long}), ("add", {"tokens": block_size + 1}), ("append", {"tokens": 3})]
     clicks += [("fork", {"seq": 1, "samples": 4}), ("step", {}), ("step", {}), ("add", {"tokens": long})]
     clicks += [("append", {"tokens": block_size, "seq": 0}), ("free", {"seq": 0}), ("add", {"tokens": 2})]
-    clicks += [("fork", {"seq": 2, "samples": 8}), ("step", {}), ("page", {"page": 0}), ("append", {"tokens": 1})]
+    clicks += [
+        ("fork", {"seq": 2, "samples": 8}),
+        ("step", {}),
+        ("page", {"page": 0}),
+        ("append", {"tokens": 1}),
+    ]
     return clicks
 
 

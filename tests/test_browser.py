@@ -364,6 +364,7 @@ def big_pool(page, expect) -> None:
     b.wait_status("step: seqs 0, 1, 2, 3, 4, 5 sampled 1 token each")
     assert b.image.locator("svg rect").count() >= 1000  # one cell per block in the overview
     assert b.smallest_text_px() >= 10
+    page.set_viewport_size({"width": 1280, "height": 1400})  # tall enough for the whole explorer in one shot
     b.root.scroll_into_view_if_needed()
     b.shot("big_pool")
 

@@ -75,11 +75,11 @@ class PageTableExplorer(BackgroundPainter):
         self._queue: deque = deque()
         self._start_painter(background)
         self.inputs = {"tokens": str(self.block_size + 1), "seq": "", "samples": "2", "prefix": NEW_TOKENS}
-        self._chosen = 0
+        self._chosen, self._choice = 0, {}
         self.view = self.widget = explorer_view()
         self.view.on_msg(self._on_msg)
         self.view.observe(self._on_inputs, "inputs")
-        self._publish(choose=True)
+        self._publish(choose=FIELDS)
         self.refresh()
 
     @property
@@ -118,7 +118,7 @@ class PageTableExplorer(BackgroundPainter):
         for name in boxes:
             one_of(name, "box", FIELDS)
         self.inputs = {**self.inputs, **{k: str(v) for k, v in boxes.items()}}
-        self._publish(choose=True)
+        self._publish(choose=tuple(boxes))
 
     def _on_inputs(self, change) -> None:
         """The browser's boxes changed: new labels, and a message beside a box whose text is refused."""
@@ -132,6 +132,7 @@ class PageTableExplorer(BackgroundPainter):
         """Click button `name` as the browser does: one message with the boxes' text (`boxes` override
         what they hold, e.g. click("add", tokens=3))."""
         one_of(name, "name", (*ACTIONS, "reset", "page"))
+        self.inputs = {**self.inputs, **{k: str(v) for k, v in boxes.items() if k in FIELDS}}
         self._on_msg(self.view, {"action": name, **self.inputs, **{k: str(v) for k, v in boxes.items()}}, [])
 
     def _on_msg(self, _view, content, _buffers) -> None:
@@ -143,8 +144,17 @@ class PageTableExplorer(BackgroundPainter):
             self._publish()
 
     def _apply(self, msg: dict) -> None:
+        """Apply one click with the boxes' text it carries; afterwards the boxes are as the browser shows
+        them (its later edits arrive on their own), plus any box the action chose (a new selection)."""
+        saved, chosen = dict(self.inputs), self._chosen
+        self.inputs = {**saved, **{k: str(msg[k]) for k in FIELDS if k in msg}}
+        try:
+            self._run(msg)
+        finally:
+            self.inputs = {**saved, **(self._choice if self._chosen != chosen else {})}
+
+    def _run(self, msg: dict) -> None:
         action = msg.get("action")
-        self.inputs = {**self.inputs, **{k: str(msg[k]) for k in FIELDS if k in msg}}
         if action == "reset":
             return self.reset()
         if action == "page":
@@ -279,7 +289,7 @@ class PageTableExplorer(BackgroundPainter):
         self.inputs["seq"] = str(chosen)
         if self._read("prefix") is None:  # its source was forgotten (a reset)
             self.inputs["prefix"] = NEW_TOKENS
-        self._publish(choose=True)
+        self._publish(choose=("seq", "prefix"))  # never a number box: the learner may be typing there
         self.refresh()
 
     def _pages(self) -> int:
@@ -321,7 +331,7 @@ class PageTableExplorer(BackgroundPainter):
         except (InvalidArgumentError, ValueError):
             return None
 
-    def _publish(self, choose: bool = False) -> None:
+    def _publish(self, choose: tuple = ()) -> None:
         """Send the browser the options, labels, messages beside the boxes and the count of clicks."""
         errors = {}
         for name in ("tokens", "samples"):
@@ -331,8 +341,9 @@ class PageTableExplorer(BackgroundPainter):
                 errors[name] = str(e)
         self.errors = errors
         ids, tokens = self.manager.seq_ids, self.playground.tokens
-        if choose:
+        if choose:  # the boxes the kernel sets; the browser applies each choice once (by its number)
             self._chosen += 1
+            self._choice = {name: self.inputs[name] for name in choose}
         state = {
             "seqs": [[f"seq {s} · {plural(self.manager.seq_len(s), 'token')}", str(s)] for s in ids],
             "prefixes": [["new tokens", NEW_TOKENS]]
@@ -343,7 +354,7 @@ class PageTableExplorer(BackgroundPainter):
             "labels": self.labels(),
             "disabled": {name: not ids for name in ("append", "fork", "free", "step")},
             "errors": self.errors,
-            "choose": {**self.inputs, "n": self._chosen},
+            "choose": {**self._choice, "n": self._chosen},
             "page": self.page,
             "pages": self._pages(),
             "applied": self.applied,

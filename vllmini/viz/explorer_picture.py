@@ -21,14 +21,15 @@ from vllmini.viz.style import CACHED_EDGE, CACHED_FACE, CACHED_FREE, FREE_EDGE, 
 WINDOW_ROWS = 16  # pool blocks per column of the window, and rows for the sequences beside it
 FONT, SMALL = 12, 11  # px: labels; slot numbers and the smallest text
 ROW, BOX = 28, 22  # px: from row to row; a block's height
-BLOCK_W = 104  # px: a block's width (its slots share it)
-SEQ_W = 150  # px: the column of sequence names
-POOL_LABEL_W = 170  # px: right of a pool block, for its label
-GAP = 80  # px: between the two sides, for the arrows
+BLOCK_W = 96  # px: a block's width (its slots share it)
+SEQ_W = 130  # px: the column of sequence names
+POOL_LABEL_W = 140  # px: right of a pool block, for its label
+GAP = 70  # px: between the two sides, for the arrows
 MAX_ROWS_PER_SEQ = 4  # a longer sequence shows its first blocks, a gap and its last block
 MAX_STRIPES = 3  # a block shared by more sequences shows the first two and a grey "more" stripe
 SHARED_FRAME, PINNED, GREY = "#111111", "#888888", "#777777"
 LEGEND_ENTRIES = 6
+LABEL_CHAR = 6.6  # px: about the width of one character of a label
 OVERVIEW_COLORS = {"free": "#e4e4e4", "cached": CACHED_EDGE, "shared": SHARED_FRAME, "pinned": PINNED}
 
 
@@ -55,7 +56,7 @@ class Frame:
         self.window = min(self.num_blocks, 2 * WINDOW_ROWS)
         self.cols = cdiv(self.window, WINDOW_ROWS)
         self.pool_x = SEQ_W + 44 + BLOCK_W + GAP
-        self.width = self.pool_x + self.cols * (BLOCK_W + POOL_LABEL_W)
+        self.width = self.pool_x + self.cols * (BLOCK_W + POOL_LABEL_W) + 24  # + room for copy arcs
         self.strip_cell = max(4, min(18, (self.width - 20) // self.num_blocks))
         self.strip_per_row = (self.width - 20) // self.strip_cell
         self.strip_h = cdiv(self.num_blocks, self.strip_per_row) * (self.strip_row + 1)
@@ -187,9 +188,9 @@ def _choose_seqs(snap: Snapshot, blocks: range, focus: list) -> tuple[list, int]
     window, then the others, as many as fit in WINDOW_ROWS rows."""
     in_window = [k for k, (_, ids, _) in enumerate(snap.seqs) if any(b in blocks for b in ids)]
     by_id = {s: k for k, (s, _, _) in enumerate(snap.seqs)}
-    order = list(
-        dict.fromkeys([*(by_id[s] for s in focus if s in by_id), *in_window, *range(len(snap.seqs))])
-    )
+    focus = [by_id[s] for s in focus if s in by_id]
+    first = [k for k in focus if k in in_window]  # the last action's, where it happened
+    order = list(dict.fromkeys([*first, *in_window, *focus, *range(len(snap.seqs))]))
     chosen, rows = [], 0
     for k in order:
         need = min(max(1, len(snap.seqs[k][1])), MAX_ROWS_PER_SEQ)
@@ -221,7 +222,7 @@ def draw_explorer_picture(snap: Snapshot, colors: dict, page: int = 0, highlight
     pages = f" (page {page + 1} of {f.num_pages})" if f.num_pages > 1 else ""
     header = f"physical blocks {blocks.start}–{blocks.stop - 1} of {snap.num_blocks}{pages}"
     out.append(_text(f.pool_x, top - 14, header, FONT, bold=True))
-    where = {}  # block -> (x, y) in the window
+    where, labels = {}, {}  # block -> (x, y) in the window, and its label
     for j, b in enumerate(blocks):
         col, r = divmod(j, WINDOW_ROWS)
         x, y = f.pool_x + col * (BLOCK_W + POOL_LABEL_W), top + r * ROW
@@ -229,6 +230,7 @@ def draw_explorer_picture(snap: Snapshot, colors: dict, page: int = 0, highlight
         if b in highlight:
             out.append(_rect(x - 5, y - 4, BLOCK_W + 10, BOX + 8, HIGHLIGHT, gid=f"highlight:{b}"))
         stripes, filled, frame, width, dash, label = _pool_look(b, kinds[b], snap, colors)
+        labels[b] = label
         numbers = [b * bs + i for i in range(bs)]
         plain = kinds[b] in ("free", "cached")
         _block(out, f, x, y, stripes, filled, frame, width, dash, numbers, f"physical:{b}", plain)
@@ -272,13 +274,15 @@ def draw_explorer_picture(snap: Snapshot, colors: dict, page: int = 0, highlight
     for x0, y0, x1, y1, color, gid in arrows:
         out.append(f"<g data-gid='{gid}'><line x1='{x0:.1f}' y1='{y0:.1f}' x2='{x1:.1f}' y2='{y1:.1f}' "
                    f"stroke='{color}' stroke-width='1.4'/>{_head(x0, y0, x1, y1, color)}</g>")  # fmt: skip
-    for src, dst in snap.copies:
+    for src, dst in snap.copies:  # from just past the source's label to just past its copy's
         if src in where and dst in where:
             (xs, ys), (xd, yd) = where[src], where[dst]
-            x = max(xs, xd) + BLOCK_W + POOL_LABEL_W - 12
-            end = (xd + BLOCK_W + 2, yd + BOX / 2)
-            out.append(f"<g data-gid='copy:{src}->{dst}'><path d='M {xs + BLOCK_W + 2} {ys + BOX / 2} C {x} "
-                       f"{ys + BOX / 2}, {x} {yd + BOX / 2}, {end[0]} {end[1]}' fill='none' stroke='black' "
+            ends = [x + BLOCK_W + 10 + LABEL_CHAR * len(labels[b]) for b, x in ((src, xs), (dst, xd))]
+            x = min(max(ends) + 26, max(xs, xd) + BLOCK_W + POOL_LABEL_W + 20)
+            start, end = (ends[0], ys + BOX / 2), (ends[1], yd + BOX / 2)
+            out.append(f"<g data-gid='copy:{src}->{dst}'><path d='M {start[0]:.1f} {start[1]} C {x:.1f} "
+                       f"{ys + BOX / 2}, {x:.1f} {yd + BOX / 2}, {end[0]:.1f} {end[1]}' fill='none' "
+                       "stroke='black' "
                        f"stroke-dasharray='5 3' stroke-width='1.4'/>"
                        f"{_head(x, end[1], *end, 'black')}</g>")  # fmt: skip
     _footer(out, f, snap, hidden)

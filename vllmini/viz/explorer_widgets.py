@@ -134,7 +134,7 @@ CSS = """
 .vllmini-explorer { font-family: var(--jp-ui-font-family, sans-serif); font-size: 13px; color: #222; }
 .vllmini-explorer .vllmini-status { font-family: monospace; font-size: 13px; line-height: 1.5;
   margin-bottom: 6px; min-height: 3em; }
-.vllmini-explorer .vllmini-body { display: flex; gap: 12px; align-items: flex-start; }
+.vllmini-explorer .vllmini-body { display: flex; flex-wrap: wrap; gap: 12px; align-items: flex-start; }
 .vllmini-explorer .vllmini-controls { display: flex; flex-direction: column; gap: 4px; width: 250px;
   flex: 0 0 250px; }
 .vllmini-explorer .vllmini-field { display: grid; grid-template-columns: 80px 1fr; align-items: center; }
@@ -145,7 +145,7 @@ CSS = """
 .vllmini-explorer input.vllmini-bad { border: 2px solid #c62828; }
 .vllmini-explorer button { font-size: 13px; padding: 4px 6px; text-align: left; cursor: pointer; }
 .vllmini-explorer .vllmini-pager { display: flex; gap: 4px; }
-.vllmini-explorer .vllmini-image { overflow-x: auto; flex: 1 1 auto; min-width: 0; }
+.vllmini-explorer .vllmini-image { overflow-x: auto; flex: 0 1 auto; max-width: 100%; }
 .vllmini-explorer .vllmini-image svg { display: block; }
 """
 
