@@ -212,7 +212,10 @@ class Explorer:
     def shot(self, name: str) -> None:
         global SHOTS
         SHOTS += 1
+        self.page.set_viewport_size({"width": 1280, "height": 1400})  # the whole explorer in one shot
+        self.root.scroll_into_view_if_needed()
         self.root.screenshot(path=ARTIFACTS / f"{SHOTS:02d}_{name}.png")
+        self.page.set_viewport_size({"width": 1280, "height": 800})
 
     def step(self, name: str, click: str, expect: str, free: int, changes: bool = True) -> str:
         """Click a button, wait for the status to say `expect`, check free blocks and the picture."""
@@ -364,8 +367,6 @@ def big_pool(page, expect) -> None:
     b.wait_status("step: seqs 0, 1, 2, 3, 4, 5 sampled 1 token each")
     assert b.image.locator("svg rect").count() >= 1000  # one cell per block in the overview
     assert b.smallest_text_px() >= 10
-    page.set_viewport_size({"width": 1280, "height": 1400})  # tall enough for the whole explorer in one shot
-    b.root.scroll_into_view_if_needed()
     b.shot("big_pool")
 
 
