@@ -114,8 +114,8 @@ LATER: dict[str, tuple[str, ...]] = {
         "vllmini/viz/explorer.py:PageTableExplorer.last_copies",
         "vllmini/viz/explorer.py:PageTableExplorer.step",
         "vllmini/viz/explorer.py:PageTableExplorer.click",
-        "vllmini/viz/explorer.py:PageTableExplorer._on_click",
-        "vllmini/viz/explorer.py:PageTableExplorer._label_buttons",
+        "vllmini/viz/explorer.py:PageTableExplorer._on_msg",
+        "vllmini/viz/explorer.py:PageTableExplorer.labels",
         "vllmini/viz/explorer.py:PageTableExplorer._status_html",
     ),
     "15 nothing lost, nothing hangs": (
