@@ -4,7 +4,8 @@ It runs the browser test (tests/test_browser.py: JupyterLab in headless Chromium
 step by step, a screenshot after each step into tests/artifacts/explorer/) and copies the step that
 shows the most next to the notebooks: three samples of one prompt right after a decode step, their
 shared pages with three arrows each, the two copy-on-write pairs of the step highlighted, and a
-finished request's pages cached but free. The test itself never writes outside its ignored artifacts
+finished request's pages cached but free; and the 1000-block explorer after a fork and a step. The
+test itself never writes outside its ignored artifacts
 folder.
 
     python scripts/explorer_screenshot.py          # needs chromium (apt-get install chromium) and playwright
@@ -18,8 +19,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SHOTS = ROOT / "tests" / "artifacts" / "explorer"
-STEP = "step_copies"  # the screenshot's name in the browser test (after its number)
-TARGET = ROOT / "notebooks" / "images" / "explorer.png"
+# the screenshots' names in the browser test (after their number) -> where they go
+TARGETS = {
+    "step_copies": ROOT / "notebooks" / "images" / "explorer.png",
+    "big_pool": ROOT / "notebooks" / "images" / "explorer_1000.png",  # the 1000-block explorer
+}
 
 
 def main() -> int:
@@ -28,10 +32,11 @@ def main() -> int:
     if subprocess.run(test, cwd=ROOT, env=env).returncode != 0:
         print("the browser test failed: screenshot not updated", file=sys.stderr)
         return 1
-    (shot,) = SHOTS.glob(f"[0-9][0-9]_{STEP}.png")
-    TARGET.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(shot, TARGET)
-    print(f"wrote {TARGET.relative_to(ROOT)} from {shot.relative_to(ROOT)}")
+    for step, target in TARGETS.items():
+        (shot,) = SHOTS.glob(f"[0-9][0-9]_{step}.png")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(shot, target)
+        print(f"wrote {target.relative_to(ROOT)} from {shot.relative_to(ROOT)}")
     return 0
 
 

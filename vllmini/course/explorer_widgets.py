@@ -1,22 +1,26 @@
-"""The explorer's widgets and its drawing thread (the part of `PageTableExplorer` that is not about
-page tables): the controls, the tokens box that carries every click, and the worker that renders the
-picture to PNG off the kernel's main thread."""
+"""The explorer's widget and its drawing thread (the part of `PageTableExplorer` that is not about page
+tables): one anywidget that draws the controls, the status line and the SVG picture in the browser, and
+sends every click as one message that carries the action and the numbers it uses.
+
+Why one message: with ipywidgets' own text box and buttons, a click and the number typed before it
+travel as separate messages, and the browser merges a widget's updates while one is unanswered, so a
+click could overtake its number, or two clicks cancel. Here the browser reads the boxes at the moment of
+the click and sends {"action", "tokens", "seq", "samples", "prefix", "click"} in one custom message;
+the kernel queues them and applies each once, in order, checking every number (`read_int`).
+"""
 
 from __future__ import annotations
 
 import html
-import io
 import os
+import re
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
 
-from vllmini.course.page_table import draw_page_table
-from vllmini.course.snapshot import Snapshot, snapshot
+from vllmini.errors import InvalidArgumentError
 
 NEW_TOKENS = "new"  # the `starts with` choice for a sequence of tokens no other sequence has
-ACTIONS = ("add", "append", "fork", "free", "step")  # the buttons whose click travels with the tokens box
-TIPS = {  # what each control drives (also shown as its tooltip)
+ACTIONS = ("add", "append", "fork", "free", "step")  # the buttons that change the pool
+TIPS = {  # what each control drives (its tooltip)
     "tokens": "how many tokens `add` starts a sequence with, and how many `append` adds",
     "seq": "the sequence that `append`, `fork` and `free` act on (a fork selects its first new sequence)",
     "samples": "how many samples `fork` makes of the selected sequence: it adds samples - 1 new sequences",
@@ -27,15 +31,123 @@ TIPS = {  # what each control drives (also shown as its tooltip)
     "fork": "make the selected sequence one of `samples` samples sharing every block (parallel sampling)",
     "free": "finish the selected sequence: its blocks go back; full cached ones stay cached but free",
     "step": "one decode step: every sequence samples 1 token (copy-on-write where a block is shared)",
+    "reset": "start over with an empty pool",
 }
-HELP = (
-    "<div style='font-size:11px;line-height:1.4;color:#555'>tokens → add, append · sequence → append, "
-    "fork, free · samples → fork · starts with → add</div>"
-)
-CSS = (  # a toggled button looks like any other button: the toggle is only the click's messenger
-    "<style>.vllmini-explorer .vllmini-action.mod-active {box-shadow: none; "
-    "background-color: var(--jp-layout-color2); color: var(--jp-ui-font-color1);}</style>"
-)
+WHOLE = re.compile(r"\s*\d+\s*")
+
+ESM = """
+const FIELDS = [["tokens", "tokens", "text"], ["seq", "sequence", "select"],
+                ["samples", "samples", "text"], ["prefix", "starts with", "select"]];
+const ACTIONS = ["add", "append", "fork", "free", "step", "reset"];
+function h(tag, cls, text) {
+  const e = document.createElement(tag);
+  if (cls) e.className = cls;
+  if (text !== undefined) e.textContent = text;
+  return e;
+}
+function render({ model, el }) {
+  el.classList.add("vllmini-explorer");
+  const tips = model.get("tips");
+  const status = h("div", "vllmini-status"), controls = h("div", "vllmini-controls");
+  const picture = h("div", "vllmini-image"), body = h("div", "vllmini-body");
+  const fields = {}, buttons = {};
+  let clicks = 0, chosen = -1;
+  const values = () => Object.fromEntries(FIELDS.map(([name]) => [name, fields[name].input.value]));
+  let edits = 0;  // only the box just edited: the others may hold a choice the kernel made meanwhile
+  const sendInput = (name) => {
+    edits += 1;
+    model.set("inputs", { [name]: fields[name].input.value, edit: edits });
+    model.save_changes();
+  };
+  for (const [name, label, kind] of FIELDS) {
+    const row = h("label", "vllmini-field vllmini-" + name);
+    row.title = tips[name];
+    const input = h(kind === "select" ? "select" : "input");
+    if (kind === "text") { input.type = "text"; input.inputMode = "numeric"; input.autocomplete = "off"; }
+    const error = h("div", "vllmini-input-error");
+    row.append(h("span", "vllmini-name", label), input, error);
+    controls.append(row);
+    input.addEventListener(kind === "select" ? "change" : "input", () => sendInput(name));
+    fields[name] = { input, error };
+  }
+  const send = (action, extra) => {
+    clicks += 1;
+    model.send({ action, ...values(), ...extra, click: clicks });
+  };
+  for (const name of ACTIONS) {
+    const b = h("button", "vllmini-action vllmini-" + name);
+    b.title = tips[name];
+    b.addEventListener("click", () => send(name, {}));
+    controls.append(b);
+    buttons[name] = b;
+  }
+  const pager = h("div", "vllmini-pager");
+  for (const [name, text, delta] of [["prev", "◀ blocks", -1], ["next", "blocks ▶", 1]]) {
+    const b = h("button", "vllmini-" + name, text);
+    b.addEventListener("click", () => send("page", { page: String(model.get("state").page + delta) }));
+    pager.append(b);
+  }
+  controls.append(pager);
+  const setOptions = (select, options) => {
+    const value = select.value;
+    select.replaceChildren(...options.map(([label, v]) => {
+      const o = h("option", "", label);
+      o.value = v;
+      return o;
+    }));
+    if (options.some(([, v]) => v === value)) select.value = value;
+  };
+  const update = () => {
+    const s = model.get("state");
+    setOptions(fields.seq.input, s.seqs);
+    setOptions(fields.prefix.input, s.prefixes);
+    if (s.choose.n !== chosen) {  // the kernel picks a value (at the start, after add, fork or reset)
+      chosen = s.choose.n;
+      for (const [name, value] of Object.entries(s.choose)) {
+        if (name in fields) fields[name].input.value = value;
+      }
+    }
+    for (const name of ACTIONS) {
+      buttons[name].textContent = s.labels[name];
+      buttons[name].disabled = !!s.disabled[name];
+    }
+    for (const [name, f] of Object.entries(fields)) {
+      f.error.textContent = s.errors[name] || "";
+      f.input.classList.toggle("vllmini-bad", !!s.errors[name]);
+    }
+    pager.style.display = s.pages > 1 ? "" : "none";
+    el.dataset.applied = s.applied;
+  };
+  model.on("change:state", update);
+  model.on("change:status", () => { status.innerHTML = model.get("status"); });
+  model.on("change:picture", () => { picture.innerHTML = model.get("picture"); });
+  body.append(controls, picture);
+  el.append(status, body);
+  update();
+  status.innerHTML = model.get("status");
+  picture.innerHTML = model.get("picture");
+}
+export default { render };
+"""
+
+CSS = """
+.vllmini-explorer { font-family: var(--jp-ui-font-family, sans-serif); font-size: 13px; color: #222; }
+.vllmini-explorer .vllmini-status { font-family: monospace; font-size: 13px; line-height: 1.5;
+  margin-bottom: 6px; min-height: 3em; }
+.vllmini-explorer .vllmini-body { display: flex; flex-wrap: wrap; gap: 12px; align-items: flex-start; }
+.vllmini-explorer .vllmini-controls { display: flex; flex-direction: column; gap: 4px; width: 250px;
+  flex: 0 0 250px; }
+.vllmini-explorer .vllmini-field { display: grid; grid-template-columns: 80px 1fr; align-items: center; }
+.vllmini-explorer .vllmini-field input, .vllmini-explorer .vllmini-field select { font-size: 13px;
+  padding: 2px 4px; min-width: 0; }
+.vllmini-explorer .vllmini-input-error { grid-column: 1 / 3; color: #c62828; font-size: 12px; }
+.vllmini-explorer .vllmini-input-error:empty { display: none; }
+.vllmini-explorer input.vllmini-bad { border: 2px solid #c62828; }
+.vllmini-explorer button { font-size: 13px; padding: 4px 6px; text-align: left; cursor: pointer; }
+.vllmini-explorer .vllmini-pager { display: flex; gap: 4px; }
+.vllmini-explorer .vllmini-image { overflow-x: auto; flex: 0 1 auto; max-width: 100%; }
+.vllmini-explorer .vllmini-image svg { display: block; }
+"""
 
 
 def in_kernel() -> bool:
@@ -48,147 +160,54 @@ def in_kernel() -> bool:
     return shell is not None and getattr(shell, "kernel", None) is not None
 
 
-def tokens_box(**kwargs):
-    """A BoundedIntText with one extra synced flag per action button (see `build_controls`)."""
-    import ipywidgets as w
-    from traitlets import Bool
-
-    flags = {f"{name}_click": Bool(False).tag(sync=True) for name in ACTIONS}
-    return type("TokensBox", (w.BoundedIntText,), flags)(**kwargs)
-
-
-@dataclass
-class Controls:
-    """The explorer's widgets: its selections, one toggle button per action, the status line and the
-    picture, laid out in `widget`."""
-
-    num_tokens: object  # the tokens box (also carries every click, see `build_controls`)
-    seq_select: object
-    samples: object
-    prefix_select: object
-    buttons: dict  # action name -> its ToggleButton
-    links: list  # the browser-side links button -> tokens box flag
-    reset_button: object
-    status: object
-    image: object
-    controls: object  # the selections and buttons, in one column
-    widget: object  # everything: status line, then controls beside the picture
-
-    def add_handles(self) -> None:
-        """CSS classes vllmini-<name>: stable handles for the browser test."""
-        named = {"explorer": self.widget, "tokens": self.num_tokens, "seq": self.seq_select}
-        named |= {"samples": self.samples, "prefix": self.prefix_select, "reset": self.reset_button}
-        named |= {"status": self.status, "image": self.image, **self.buttons}
-        for name, widget in named.items():
-            widget.add_class(f"vllmini-{name}")
+def read_int(value, name: str, low: int, high: int) -> int:
+    """A number from a box: an int, or text that is only digits, within [low, high]. Anything else (empty,
+    2.5, 1e3, -5, abc, out of range) is refused with a message that says what the box takes."""
+    if isinstance(value, str) and WHOLE.fullmatch(value):
+        number = int(value)
+    elif isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    else:
+        number = None
+    if number is None or not low <= number <= high:
+        raise InvalidArgumentError(f"{name} takes a whole number from {low} to {high}, got {str(value)!r}")
+    return number
 
 
-def _selections(block_size: int, max_tokens: int, layout) -> tuple:
-    """The tokens box and the sequence, samples and `starts with` dropdowns."""
-    import ipywidgets as w
+def explorer_view():
+    """The widget: `state`, `status` and `picture` go to the browser, `inputs` (the box just edited, for
+    the button labels) comes back; clicks arrive as custom messages (`on_msg`)."""
+    import anywidget
+    import traitlets
 
-    num_tokens = tokens_box(
-        value=block_size + 1, min=1, max=max_tokens, description="tokens", continuous_update=True,
-        layout=layout, tooltip=TIPS["tokens"],
-    )  # fmt: skip
-    seq_select = w.Dropdown(options=[], description="sequence", layout=layout, tooltip=TIPS["seq"])
-    samples = w.Dropdown(
-        options=[2, 3, 4, 5, 6], value=2, description="samples", layout=layout, tooltip=TIPS["samples"]
-    )
-    prefix_select = w.Dropdown(
-        options=[("new tokens", NEW_TOKENS)], description="starts with", layout=layout, tooltip=TIPS["prefix"]
-    )
-    return num_tokens, seq_select, samples, prefix_select
+    class ExplorerView(anywidget.AnyWidget):
+        _esm = ESM
+        _css = CSS
+        tips = traitlets.Dict(TIPS).tag(sync=True)
+        state = traitlets.Dict().tag(sync=True)
+        inputs = traitlets.Dict().tag(sync=True)
+        status = traitlets.Unicode("").tag(sync=True)
+        picture = traitlets.Unicode("").tag(sync=True)
 
-
-def build_controls(
-    block_size: int, max_tokens: int, on_click: Callable, on_change: Callable, on_reset: Callable
-) -> Controls:
-    """Give `explorer` its widgets: tokens box, selections, action buttons, status line, picture.
-
-    A click must not overtake the number typed just before it. The browser holds back a widget's update
-    while its previous one is unanswered, but sends a Button's click at once, so a click could reach the
-    kernel before the number. Instead each action button toggles, and the browser itself copies the
-    toggle into the tokens box (jsdlink): the click then travels in the tokens box's own message stream,
-    after (or in one message with) the number. The other selections are dropdowns: one message each.
-    `on_click(change)` sees the flag of the clicked action change, `on_change(change)` any selection,
-    `on_reset()` the reset button.
-    """
-    import ipywidgets as w
-
-    wide = w.Layout(width="270px")
-    selections = _selections(block_size, max_tokens, wide)
-    num_tokens = selections[0]
-    buttons, links = {}, []
-    for name in ACTIONS:
-        button = w.ToggleButton(tooltip=TIPS[name], layout=wide)
-        links.append(w.jsdlink((button, "value"), (num_tokens, f"{name}_click")))
-        num_tokens.observe(on_click, f"{name}_click")
-        button.add_class("vllmini-action")
-        buttons[name] = button
-    reset_button = w.Button(description="reset: empty pool", icon="refresh", layout=wide)
-    reset_button.on_click(lambda _button: on_reset())
-    for widget in selections:
-        widget.observe(on_change, "value")
-    status = w.HTML()
-    picture = w.Layout(max_width="100%", min_width="0", height="auto", flex="0 1 auto", object_fit="contain")
-    image = w.Image(format="png", layout=picture)  # shrinks (keeping its shape) in narrow cells
-    controls = w.VBox(
-        [*selections, w.HTML(HELP), *buttons.values(), reset_button], layout=w.Layout(min_width="280px")
-    )
-    style = w.HTML(CSS, layout=w.Layout(display="none"))
-    widget = w.VBox([style, status, w.HBox([controls, image])])
-    ui = Controls(*selections, buttons, links, reset_button, status, image, controls, widget)
-    ui.add_handles()
-    return ui
+    return ExplorerView()
 
 
 class BackgroundPainter:
-    """Redraws the explorer's picture into one reused Figure, as a PNG shown at its natural size
-    (rendered at RENDER_SCALE x for sharp text), on a worker thread when `background` is set."""
-
-    CSS_PX_PER_INCH = 96  # the picture's natural size on the page
-    RENDER_SCALE = 2  # pixels rendered per CSS pixel: sharp on high-density screens, and when zoomed
+    """Redraws the explorer's picture (SVG text) and status line, on a worker thread when `background`
+    is set, so a click is answered at once and a run of clicks is drawn once."""
 
     def _start_painter(self, background: bool | None) -> None:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-
-        # In a kernel the picture is drawn on a worker thread, so a click is answered in well under a
-        # millisecond and the browser seldom has to hold an update back (see build_controls).
         self.background = in_kernel() if background is None else bool(background)
-        self._lock = threading.RLock()  # guards the manager and the explorer's state
-        self._draw_lock = threading.Lock()  # guards the figure
+        self._lock = threading.RLock()  # guards the playground and the explorer's state
         self._wake = threading.Condition()
         self._want: bool | None = None  # None: nothing to do; False: status only; True: picture too
         self._idle = threading.Event()
         self._idle.set()
         self._worker: threading.Thread | None = None
-        self.figure = Figure()  # not registered with pyplot: it never pops up on its own
-        FigureCanvasAgg(self.figure)  # renders PNGs headless
-
-    def _picture_state(self) -> tuple[Snapshot, list[int]]:
-        """What to draw now (call under the lock): the manager, the last action's copies highlighted."""
-        copies = self.last_copies
-        return snapshot(self.manager, None, None, copies), [dst for _, dst in copies]
-
-    def render_png(self, snap: Snapshot | None = None, highlight=None) -> tuple[bytes, int]:
-        """The picture as PNG bytes (the last action's copied blocks highlighted) and the width in CSS
-        pixels to show it at: its natural size, at most max_width, rendered at RENDER_SCALE x."""
-        if snap is None:
-            with self._lock:
-                snap, highlight = self._picture_state()
-        with self._draw_lock:
-            draw_page_table(snap, fig=self.figure, figsize=self.figsize, highlight=highlight or ())
-            width = min(self.max_width, round(self.figure.get_figwidth() * self.CSS_PX_PER_INCH))
-            buf = io.BytesIO()
-            dpi = self.RENDER_SCALE * width / self.figure.get_figwidth()
-            self.figure.savefig(buf, format="png", dpi=dpi, pil_kwargs={"compress_level": 3})
-        return buf.getvalue(), width
 
     def refresh(self, picture: bool = True) -> None:
-        """Show the current state: redraw (unless picture=False), then swap the picture and the status
-        line together, so the status never runs ahead. In the background, this only asks the worker."""
+        """Show the current state: the picture (unless picture=False), then the status line, so the
+        status never runs ahead. In the background, this only asks the worker."""
         if not self.background:
             self._update(picture)
             return
@@ -205,14 +224,12 @@ class BackgroundPainter:
         return self._idle.wait(timeout)
 
     def _update(self, picture: bool) -> None:
-        with self._lock:  # one consistent state for both: the status and the snapshot to draw
+        with self._lock:  # one consistent state for the status line and the picture
             status = self._status_html()
-            snap, highlight = self._picture_state() if picture else (None, None)
-        if picture:
-            png, width = self.render_png(snap, highlight)
-            self.image.layout.width = f"{width}px"
-            self.image.value = png
-        self.status.value = status
+            svg = self.render_svg() if picture else None
+        if svg is not None:
+            self.view.picture = svg
+        self.view.status = status
 
     def _work(self) -> None:
         try:  # drawing yields the CPU to the kernel's main thread, which answers the browser
@@ -223,13 +240,13 @@ class BackgroundPainter:
             with self._wake:
                 while self._want is None:
                     self._wake.wait()
-                while self._wake.wait(timeout=0.03):  # let a quick run of clicks finish first
+                while self._wake.wait(timeout=0.02):  # let a quick run of clicks finish first
                     pass
                 picture, self._want = self._want, None
             try:
                 self._update(picture)
             except Exception as e:  # keep the worker alive; say what happened where the learner looks
-                self.status.value = f"<pre>explorer could not draw: {html.escape(repr(e))}</pre>"
+                self.view.status = f"<pre>explorer could not draw: {html.escape(repr(e))}</pre>"
             with self._wake:
                 if self._want is None:
                     self._idle.set()

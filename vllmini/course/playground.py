@@ -14,9 +14,11 @@ from __future__ import annotations
 import copy
 
 from vllmini.block_manager import BlockManager
-from vllmini.checks import as_int
-from vllmini.course.style import plural
-from vllmini.errors import InvalidArgumentError
+from vllmini.checks import as_int, cdiv
+from vllmini.course.style import CACHED_FREE, RESERVED, plural
+from vllmini.errors import InvalidArgumentError, OutOfBlocksError
+
+MAX_SAMPLES = 8  # a fork makes at most this many samples (the picture stays readable)
 
 
 def _shown(slots: list[int]) -> str:
@@ -27,11 +29,55 @@ def _ids(seq_ids: list) -> str:
     return f"seq {seq_ids[0]}" if len(seq_ids) == 1 else f"seqs {', '.join(map(str, seq_ids))}"
 
 
+def free_blocks_text(manager: BlockManager) -> str:
+    """The pool's free blocks in the words the status line, the errors and the legend share: "5 of 16
+    blocks free (2 of them cached but free; 1 reserved by the watermark)". Cached-but-free blocks are
+    free: a new block evicts one (least recently used first) when no plain free block is left."""
+    free, cached, mark = manager.num_free_blocks, manager.num_cached_free_blocks, manager.watermark_blocks
+    notes = [f"{cached} of them {CACHED_FREE}"] if cached else []
+    notes += [f"{mark} {RESERVED}"] if mark else []
+    notes = f" ({'; '.join(notes)})" if notes else ""
+    return f"{free} of {plural(manager.num_blocks, 'block')} free{notes}"
+
+
+def _prefix_note(found: list[int], head: int, num_tokens: int, block_size: int, source) -> str:
+    """What the prefix cache did for a new sequence whose first `head` tokens are `source`'s: which
+    blocks it found, and why it found no more (the last prompt token is always recomputed)."""
+    whole = head // block_size  # blocks made only of the source's tokens
+    lookable = (num_tokens - 1) // block_size  # the block holding the last token is never looked up
+    wanted = min(whole, lookable)
+    if wanted == 0:
+        if whole == 0:
+            return (
+                f"no prefix-cache hit: seq {source}'s first {plural(head, 'token')} fill no whole block "
+                f"(only full blocks of {block_size} tokens are cached)"
+            )
+        return (
+            "no prefix-cache hit: the prompt's only full block holds its last token, which is always "
+            "recomputed (its logits give the next token)"
+        )
+    note = (
+        f"prefix cache hit: shares {plural(len(found), 'block')} {found}" if found else "no prefix-cache hit"
+    )
+    if len(found) < wanted:
+        note += f"; block {len(found)} of seq {source}'s prefix is not cached (evicted, or never full)"
+    if whole > lookable:
+        note += (
+            f"; block {lookable} holds the prompt's last token: always recomputed (its logits give the "
+            "next token), so not shared"
+        )
+    return note
+
+
 class PageTablePlayground:
     """Add, grow, fork, free and step sequences on one pool; all-or-nothing, each with a message."""
 
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
-        self.manager = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
+    def __init__(
+        self, num_blocks: int, block_size: int, prefix_caching: bool = True, watermark_blocks: int = 0
+    ):
+        self.manager = BlockManager(
+            num_blocks, block_size, watermark_blocks=watermark_blocks, enable_prefix_caching=prefix_caching
+        )
         self.next_seq_id = 0
         self.tokens: dict[int, list[int]] = {}  # token ids of every sequence ever added (freed ones too)
         self.hashes: dict[int, list[bytes]] = {}  # hash chain of each live sequence's full blocks
@@ -88,6 +134,13 @@ class PageTablePlayground:
         token_ids, hashes = head + self._fresh(num_tokens - len(head)), []
         shared = self.manager.cached_prefix(token_ids, hashes)
         seq_id, before = self.next_seq_id, self._cached_free()
+        if not self.manager.can_allocate(num_tokens, shared):
+            needed = self.manager.blocks_needed(num_tokens, shared)
+            found = f" ({plural(len(shared), 'block')} found in the prefix cache)" if shared else ""
+            raise OutOfBlocksError(
+                f"seq {seq_id} with {plural(num_tokens, 'token')} needs {plural(needed, 'new block')}"
+                f"{found}, but {free_blocks_text(self.manager)}"
+            )
         slots = self.manager.allocate(seq_id, num_tokens, shared=shared)
         self.next_seq_id += 1
         self.tokens[seq_id], self.hashes[seq_id] = token_ids, hashes
@@ -95,14 +148,25 @@ class PageTablePlayground:
         message = f"added seq {seq_id} with {plural(num_tokens, 'token')}"
         if prefix_of is not None:
             message += f", the first {len(head)} from seq {prefix_of}"
-        if shared:
-            message += f"; prefix cache hit: shares {plural(len(shared), 'block')} {shared}"
+            if self.manager.prefix_cache is not None:
+                message += "; " + _prefix_note(
+                    shared, len(head), num_tokens, self.manager.block_size, prefix_of
+                )
         return self._finish(message, slots, before)
 
     def append(self, seq_id, num_tokens: int) -> str:
         """Grow `seq_id` by `num_tokens` tokens (copy-on-write if its last block is shared and partial)."""
         table = self.manager.block_table(seq_id)  # an unknown seq_id raises here, before any change
+        num_tokens = as_int(num_tokens, "num_tokens", min=1)
         start, before = table.num_tokens, self._cached_free()
+        needed = table.num_new_blocks(num_tokens)
+        if needed > self.manager.num_free_blocks:
+            grow = cdiv(start + num_tokens, self.manager.block_size) - table.num_blocks
+            copy_note = " (one of them a copy of its shared last block)" if needed > grow else ""
+            raise OutOfBlocksError(
+                f"appending {plural(num_tokens, 'token')} to seq {seq_id} needs {plural(needed, 'new block')}"
+                f"{copy_note}, but {free_blocks_text(self.manager)}"
+            )
         slots = self._on_a_copy(lambda manager: manager.append(seq_id, num_tokens))
         self.tokens[seq_id] = self.tokens[seq_id][:start] + self._fresh(num_tokens)
         self._commit(seq_id, start)
@@ -111,7 +175,7 @@ class PageTablePlayground:
     def fork(self, seq_id, num_samples: int = 2) -> tuple[list[int], str]:
         """Make `seq_id` one of `num_samples` samples: num_samples - 1 new sequences (the next ids) that
         share every block of it (reference counts go up, nothing is allocated). Returns their ids."""
-        num_samples = as_int(num_samples, "num_samples", min=2)
+        num_samples = as_int(num_samples, "num_samples", min=2, max=MAX_SAMPLES)
         self.manager.block_table(seq_id)  # an unknown seq_id raises here, before any change
         children = list(range(self.next_seq_id, self.next_seq_id + num_samples - 1))
         for child in children:
@@ -129,7 +193,10 @@ class PageTablePlayground:
         kept = sorted(self._cached_free().keys() - before.keys())
         message = f"freed seq {seq_id}"
         if kept:
-            message += f"; {plural(len(kept), 'block')} {kept} stay cached (free, found again by their hash)"
+            stay = "stays" if len(kept) == 1 else "stay"
+            message += (
+                f"; {plural(len(kept), 'block')} {kept} {stay} cached (free, found again by their hash)"
+            )
         return self._finish(message, [], before)
 
     def step(self) -> str:
@@ -139,8 +206,27 @@ class PageTablePlayground:
         if not seq_ids:
             raise InvalidArgumentError("step needs a sequence: add one first")
         before, starts = self._cached_free(), {s: self.manager.seq_len(s) for s in seq_ids}
-        slots = self._on_a_copy(lambda manager: [manager.append(s, 1)[0] for s in seq_ids])
+        try:
+            slots = self._on_a_copy(lambda manager: [manager.append(s, 1)[0] for s in seq_ids])
+        except (
+            OutOfBlocksError
+        ):  # say what the whole step needs, not what the first sequence short of it does
+            raise OutOfBlocksError(
+                f"step needs {plural(self._step_needs(seq_ids), 'new block')} (one for each sequence whose "
+                f"last block is full, or shared and partly full), but {free_blocks_text(self.manager)}"
+            ) from None
         for s in seq_ids:
             self.tokens[s] = self.tokens[s][: starts[s]] + self._fresh(1)
             self._commit(s, starts[s])
         return self._finish(f"step: {_ids(seq_ids)} sampled 1 token each", slots, before)
+
+    def _step_needs(self, seq_ids: list) -> int:
+        """New blocks a step takes: each sequence's, in order, on a copy (a copy-on-write by one sample
+        can leave its siblings' block unshared)."""
+        trial, needed = copy.deepcopy(self.manager), 0
+        for s in seq_ids:
+            count = trial.block_table(s).num_new_blocks(1)
+            needed += count
+            if count <= trial.num_free_blocks:
+                trial.append(s, 1)
+        return needed

@@ -9,6 +9,8 @@ PALETTE = (
 )  # fmt: skip
 FREE_FACE, FREE_EDGE = "#f3f3f3", "#b0b0b0"
 CACHED_FACE, CACHED_EDGE = "#e0f2f1", "#00897b"  # free, but still holding a cached prefix (hatched)
+# the words for a free block that still holds a cached prefix, and for free blocks new sequences must leave
+CACHED_FREE, RESERVED = "cached but free", "reserved by the watermark"
 HIGHLIGHT = "#ffd54f"  # the glow behind a block that was just copied (copy-on-write)
 ROW_HEIGHT = 0.8  # drawn height of a block row (rows are 1 apart)
 
@@ -26,6 +28,32 @@ def seq_color(seq_id, order: int = 0) -> str:
     """The colour of a sequence: fixed by an int seq_id (stable across redraws), else by its order."""
     key = seq_id if isinstance(seq_id, int) and not isinstance(seq_id, bool) else order
     return PALETTE[key % len(PALETTE)]
+
+
+def assign_colors(live: list, colors: dict) -> dict:
+    """Colours for the live sequences, distinct for every one: each keeps the colour it has, a new one
+    gets the first not in use (PALETTE, then evenly spread hues); freed sequences give theirs back."""
+    kept = {s: colors[s] for s in live if s in colors}
+    used = set(kept.values())
+    k = 0
+    for s in live:
+        if s in kept:
+            continue
+        while (color := _nth_color(k)) in used:
+            k += 1
+        kept[s] = color
+        used.add(color)
+    return kept
+
+
+def _nth_color(k: int) -> str:
+    if k < len(PALETTE):
+        return PALETTE[k]
+    import colorsys
+
+    hue = ((k - len(PALETTE)) * 0.618034 + 0.05) % 1.0  # golden-ratio steps: far from the hues before
+    r, g, b = colorsys.hls_to_rgb(hue, 0.38 + 0.12 * (k % 2), 0.75)
+    return f"#{round(r * 255):02x}{round(g * 255):02x}{round(b * 255):02x}"
 
 
 def bare(ax, keep=("bottom",)) -> None:
