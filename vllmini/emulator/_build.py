@@ -25,8 +25,8 @@ from vllmini.errors import InvalidArgumentError, InvalidTypeError, KernelBuildEr
 HERE = Path(__file__).resolve().parent
 # everything a build includes: part of the cache key
 HEADER_FILES = tuple(
-    "cuda_emu.h emu_mma.h emu_runtime.h emu_check.h emu_entry.h emu_main.h include/cuda_fp16.h include/cuda_bf16.h "
-    "include/cuda_runtime.h".split()
+    "cuda_emu.h emu_mma.h emu_runtime.h emu_check.h emu_entry.h emu_main.h "
+    "include/cuda_fp16.h include/cuda_bf16.h include/cuda_runtime.h".split()
 )
 DYNAMIC_SHARED_BYTES = 232448  # 227 KiB: the most dynamic shared memory an H100/H200 block may opt into
 BUILD_VERSION = "3"  # bump when the generated code changes in a way the hashed files do not show
