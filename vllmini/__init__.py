@@ -29,7 +29,7 @@ _NAMES = {
 _EXPORTS = {name: module for module, names in _NAMES.items() for name in names.split()}
 _SUBMODULES = set(
     "errors checks memory allocator block_table block_manager prefix_cache kv_cache attention "
-    "attention_checks kernel_registry launch_plan cuda_kernels emulator loader model sequence "
+    "attention_checks kernel_registry launch_plan cuda_kernels emulator loader models model sequence "
     "chunked_prefill scheduler sampling outputs processing interrupts config model_runner cuda_graphs "
     "engine arrivals serving latency exercises viz".split()
 )

@@ -31,6 +31,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from vllmini import models
 from vllmini.checks import as_int
 from vllmini.config import EngineConfig, make_config
 from vllmini.errors import EngineStateError, InvalidArgumentError, InvalidTypeError
@@ -85,7 +86,7 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
         self.tokenizer = model.tokenizer
-        self.inputs = InputProcessor(self.tokenizer, model.config.vocab_size)
+        self.inputs = InputProcessor(self.tokenizer, model.config.vocab_size, model.chat_template)
         self.outputs = OutputProcessor(self.tokenizer, set(model.eos_token_ids))
         self.stats: list[StepStats] = []
         self.num_forwards = 0  # forwards of committed steps (one per step)
@@ -111,9 +112,15 @@ class LLMEngine:
         config: EngineConfig | None = None,
         **engine_kwargs,
     ) -> LLMEngine:
-        """Load a Llama checkpoint directory (or transformers model) and build an engine on it."""
+        """Load a Llama checkpoint directory (or transformers model, or a name vllmini.models knows, e.g.
+        "SmolLM2-135M-Instruct": fetched the first time) and build an engine on it."""
         config = make_config(config, engine_kwargs)  # bad options fail before the weights load
+        path_or_model = models.resolve(path_or_model)
         return cls(LlamaModel.from_pretrained(path_or_model, dtype=dtype, device=device), config)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """A chat ([{"role": "user", "content": "..."}, ...]) as prompt text, in the model's chat template."""
+        return self.inputs.apply_chat_template(messages, add_generation_prompt)
 
     # -------------------------------------------------------------------------
     # requests

@@ -82,6 +82,20 @@ def read_checkpoint(path_or_hf_model, parse_config: Callable[[dict], Any]) -> Ch
     return Checkpoint(config, state, tokenizer, gen, where, device)
 
 
+def read_chat_template(path_or_hf_model) -> str | None:
+    """A checkpoint directory's chat template (Jinja text): chat_template.jinja, else tokenizer_config.json's
+    "chat_template"; None without one (or for an in-memory model)."""
+    if not isinstance(path_or_hf_model, (str, os.PathLike)):
+        return None
+    root = Path(path_or_hf_model)
+    if (root / "chat_template.jinja").is_file():
+        return read_checkpoint_file(root / "chat_template.jinja", lambda f: f.read_text())
+    if (root / "tokenizer_config.json").is_file():
+        template = read_checkpoint_file(root / "tokenizer_config.json", read_json).get("chat_template")
+        return template if isinstance(template, str) else None
+    return None
+
+
 def load_safetensors(root: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a single-file or sharded safetensors checkpoint, on the CPU."""
     from safetensors.torch import load_file

@@ -33,7 +33,14 @@ from vllmini.attention import (
 from vllmini.checks import as_float, as_int, one_of
 from vllmini.errors import CheckpointError, InvalidArgumentError, InvalidTypeError
 from vllmini.kv_cache import check_slot_mapping, reshape_and_cache
-from vllmini.loader import as_dict, load_hf_state_dict, read_checkpoint, read_checkpoint_file, read_json
+from vllmini.loader import (
+    as_dict,
+    load_hf_state_dict,
+    read_chat_template,
+    read_checkpoint,
+    read_checkpoint_file,
+    read_json,
+)
 
 ROPE_KEYS = {  # rope type -> what it reads from its scaling dict
     "default": (),
@@ -273,6 +280,7 @@ class LlamaModel(nn.Module):
         # cannot round them; forward moves them to the input's device
         self.inv_freq = rope_inv_freq(config)
         self.tokenizer = None  # a tokenizers.Tokenizer when the checkpoint has tokenizer.json
+        self.chat_template: str | None = None  # Jinja text, when the checkpoint has one
         eos = config.eos_token_id
         self.eos_token_ids: tuple[int, ...] = tuple(
             eos if isinstance(eos, list) else [] if eos is None else [eos]
@@ -366,6 +374,7 @@ class LlamaModel(nn.Module):
         device = device if device is not None else ckpt.device
         load_hf_state_dict(model, state, dtype, torch.device(device or "cpu"), where)
         model.tokenizer = ckpt.tokenizer
+        model.chat_template = read_chat_template(path_or_hf_model)
         eos = ckpt.generation.get("eos_token_id")
         if eos is not None:
             model.eos_token_ids = tuple(eos if isinstance(eos, list) else [eos])
