@@ -841,6 +841,23 @@ def test_plot_token_shares_and_length_sweeps_plot_the_given_numbers():
     top_right = fig.axes[1]
     ys = [list(line.get_ydata()) for line in top_right.lines]
     assert [0.92, 0.84] in [[round(y, 6) for y in v] for v in ys]
+    # one legend for the sweep: colour = scheme, line style = workload, and the dashed entry is dashed
+    (legend,) = fig.legends
+    styles = {t.get_text(): h.get_linestyle() for t, h in zip(legend.get_texts(), legend.legend_handles)}
+    assert styles["A"] == "-" and styles["B"] == "--"
+    assert legend.handlelength >= 3  # long enough to show a dash pattern
+
+
+def test_token_share_legend_sits_below_the_bars():
+    from vllmini.course.chapter_plots import plot_token_shares
+
+    schemes = ("static", "pow2", "oracle", "paged")
+    share = {("A", snap, s): 1.0 for snap in ("done", "half") for s in schemes}
+    fig = plot_token_shares(share, {s: 1.0 for s in schemes})
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    legend_box = ax.get_legend().get_window_extent()
+    assert legend_box.y1 < ax.get_window_extent().y0  # under the axes: no bar, even a 100% one, is covered
 
 
 def test_draw_causal_mask_shows_exactly_the_mask():
