@@ -843,7 +843,10 @@ def test_plot_token_shares_and_length_sweeps_plot_the_given_numbers():
     assert [0.92, 0.84] in [[round(y, 6) for y in v] for v in ys]
     # one legend for the sweep: colour = scheme, line style = workload, and the dashed entry is dashed
     (legend,) = fig.legends
-    styles = {t.get_text(): h.get_linestyle() for t, h in zip(legend.get_texts(), legend.legend_handles)}
+    styles = {
+        t.get_text(): h.get_linestyle()
+        for t, h in zip(legend.get_texts(), legend.legend_handles, strict=True)
+    }
     assert styles["A"] == "-" and styles["B"] == "--"
     assert legend.handlelength >= 3  # long enough to show a dash pattern
 
