@@ -197,6 +197,43 @@ def test_bad_limits_raise_clear_errors(kwargs, message):
     assert full_state(m) == before
 
 
+def test_token_text_labels_each_logical_slot_with_its_token():
+    m = BlockManager(8, 4)
+    m.allocate("x", 3)
+    m.allocate("p", 5)  # blocks 1, 2: slots 4..8
+    words = ["The", " capital", " of", " France", " is"]
+    layout = page_table_layout(m, token_text={"p": words})
+    cells = {box.gid: box.numbers for box in layout.boxes}
+    assert cells["logical:p:0"] == ("The", "capital", "of", "France")  # surrounding spaces dropped
+    assert cells["logical:p:1"] == ("is", "", "", "")
+    assert cells["logical:x:0"] == (0, 1, 2, "")  # other sequences keep their token indices
+    assert cells["physical:1"] == (4, 5, 6, 7)  # the pool still shows slots
+    assert {"The", "capital", "France", "is"} <= set(texts(draw_page_table(m, token_text={"p": words})))
+    long = page_table_layout(m, token_text={"p": ["internationalization", " ", "a", "b", "c"]})
+    assert {b.gid: b.numbers for b in long.boxes}["logical:p:0"] == (
+        "intern…",
+        "␣",
+        "a",
+        "b",
+    )  # 7 characters at most
+
+
+@pytest.mark.parametrize(
+    ("token_text", "message"),
+    [
+        ({"q": ["a"]}, "token_text names seq 'q', which is not drawn"),
+        ({"p": ["a", "b"]}, "seq 'p' has 5 tokens, got ['a', 'b']"),
+        ({"p": [1, 2, 3, 4, 5]}, "must hold one str per token"),
+        (["a"], "token_text must be a dict"),
+    ],
+)
+def test_bad_token_text_raises_a_clear_error(token_text, message):
+    m = BlockManager(8, 4)
+    m.allocate("p", 5)
+    with pytest.raises(InvalidArgumentError, match=re.escape(message)):
+        draw_page_table(m, token_text=token_text)
+
+
 def test_draws_into_a_given_figure_or_axes():
     m = busy_manager()
     fig = Figure()

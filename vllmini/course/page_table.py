@@ -130,7 +130,7 @@ def draw_page_table(
     block_id * block_size + offset). Arrows: logical -> physical; dashed black arcs: copy-on-write.
     Returns the matplotlib Figure; pass `fig=` to redraw into an existing figure or `ax=` to draw into
     an existing Axes. `options` (seq_ids, colors, title, show_numbers, the max_* limits, highlight,
-    copies) go to `page_table_layout`, which says what each does.
+    copies, token_text) go to `page_table_layout`, which says what each does.
     """
     import matplotlib.pyplot as plt
 

@@ -147,8 +147,39 @@ def _pool_style(b: int, snap: Snapshot, colors: dict) -> tuple[Look, str]:
     return Look("used", stripes, filled, stripes[0], 1.6), f"{b}{notes}"
 
 
-def _logical_boxes(snap: Snapshot, places: Places, colors: dict, show_numbers: bool, out: PageTableLayout):
-    """Left side: each sequence's bar and name, its logical blocks, and '⋮' for hidden ones."""
+def _check_token_text(snap: Snapshot, token_text) -> dict:
+    """{seq_id: one string per token}, for drawn sequences only, one string per token they hold."""
+    if token_text is None:
+        return {}
+    if not isinstance(token_text, dict):
+        raise InvalidArgumentError(f"token_text must be a dict seq_id -> list of str, got {token_text!r}")
+    counts = {s: count for s, _, count in snap.seqs}
+    out = {}
+    for s, texts in token_text.items():
+        if s not in counts:
+            raise InvalidArgumentError(
+                f"token_text names seq {s!r}, which is not drawn; drawn: {list(counts)}"
+            )
+        texts = list(texts)
+        if len(texts) != counts[s] or not all(isinstance(t, str) for t in texts):
+            raise InvalidArgumentError(
+                f"token_text[{s!r}] must hold one str per token: seq {s!r} has {counts[s]} tokens, "
+                f"got {texts!r}"
+            )
+        out[s] = texts
+    return out
+
+
+def _cell_text(text: str, limit: int = 7) -> str:
+    """A token's text as it fits in one cell: no surrounding spaces, at most `limit` characters."""
+    text = text.strip() or "␣"
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _logical_boxes(snap: Snapshot, places: Places, colors: dict, show_numbers: bool, out: PageTableLayout,
+                   token_text: dict):  # fmt: skip
+    """Left side: each sequence's bar and name, its logical blocks, and '⋮' for hidden ones. A cell of a
+    sequence in `token_text` shows its token's text instead of the token's index."""
     bs = snap.block_size
     for (s, block_ids, count), (first, last) in zip(snap.seqs, places.seq_rows, strict=False):
         out.bars.append((-2.0, first + 0.05, last + ROW_HEIGHT - 0.05, colors[s]))
@@ -160,6 +191,8 @@ def _logical_boxes(snap: Snapshot, places: Places, colors: dict, show_numbers: b
         s, block_ids, count = snap.seqs[k]
         filled = min(bs, count - i * bs)
         numbers = tuple(i * bs + j if j < filled else "" for j in range(bs)) if show_numbers else None
+        if s in token_text:
+            numbers = tuple(_cell_text(token_text[s][i * bs + j]) if j < filled else "" for j in range(bs))
         look = Look("logical", (colors[s],), filled, colors[s], 1.6)
         at = {"x": 0.0, "y": row, "cell": places.cell, "slots": bs, "numbers": numbers}
         out.boxes.append(Box(**asdict(look), **at, gid=f"logical:{s}:{i}", block_id=block_ids[i]))
@@ -279,6 +312,7 @@ def page_table_layout(
     max_seqs: int = 16,
     highlight=(),
     copies=(),
+    token_text: dict | None = None,
 ) -> PageTableLayout:
     """The page-table picture as plain data: boxes, arrows, labels, legend, extent.
 
@@ -286,7 +320,9 @@ def page_table_layout(
     the pool's utilization, "" for none; `show_numbers`: token/slot numbers in the cells (default: when
     they fit); at most `max_blocks` pool blocks, `max_seq_blocks` blocks per sequence and `max_seqs`
     sequences are drawn, the pool in columns of `max_pool_rows`; `highlight`: pool blocks to mark;
-    `copies`: (src, dst) copy-on-write pairs already taken from the tables (drawn with the pending ones).
+    `copies`: (src, dst) copy-on-write pairs already taken from the tables (drawn with the pending ones);
+    `token_text`: {seq_id: one str per token}: those sequences' logical cells show each token's text (from
+    a tokenizer) in place of its index, so a picture reads "text -> token -> slot".
     """
     limits = (
         as_int(max_pool_rows, "max_pool_rows", min=1),
@@ -295,6 +331,7 @@ def page_table_layout(
         as_int(max_seqs, "max_seqs", min=1),
     )
     snap = snapshot(manager_or_tables, allocator, seq_ids, copies)
+    token_text = _check_token_text(snap, token_text)
     colors = dict(colors or {})
     for k, (s, _, _) in enumerate(snap.seqs):
         colors.setdefault(s, seq_color(s, k))
@@ -306,7 +343,7 @@ def page_table_layout(
         show_numbers = snap.block_size <= 8 and places.num_rows <= 24 and drawn <= 48
     out = PageTableLayout(snap=snap, title=_title(snap) if title is None else title)
     highlight = {as_int(b, "highlight block") for b in highlight}
-    _logical_boxes(snap, places, colors, show_numbers, out)
+    _logical_boxes(snap, places, colors, show_numbers, out, token_text)
     _pool_boxes(snap, places, styles, show_numbers, highlight, out)
     _arrows(snap, places, colors, labels, out)
     bottom = _footer(snap, places, out)
