@@ -196,3 +196,19 @@ def test_fast_kernel_checks():
     exercises.check_first_bad_entry(first_bad)
     with pytest.raises(AssertionError, match="expected"):
         exercises.check_first_bad_entry(first_bad_with_padding)
+
+
+def test_page_table_checks(capsys):
+    exercises.check_prefix_sharing(2, 0)
+    with pytest.raises(AssertionError, match="FULL blocks"):
+        exercises.check_prefix_sharing(2, 1)
+    exercises.check_watermark([("A", 16), ("B", 16)])
+    with pytest.raises(AssertionError, match="can still grow"):
+        exercises.check_watermark([("A", 4), ("B", 4)])
+    exercises.check_block_size(8)
+    with pytest.raises(AssertionError, match="got 16"):
+        exercises.check_block_size(16)
+    exercises.check_padding([8, 9, 10, 11, 0, 1, 2, 3], [8, 9, 10, 11, 12, 13, 14, 15])
+    with pytest.raises(AssertionError, match="padding -1"):
+        exercises.check_padding([8, 9, 10, 11, 0, 1, 2, 3], [8, 9, 10, 11])
+    assert capsys.readouterr().out.count("correct:") == 4

@@ -404,3 +404,94 @@ def check_first_bad_entry(fn: Callable) -> None:
             f"expected {want} (a sequence of n tokens reads entries 0 .. ceil(n / block_size) - 1)"
         )
     _ok("your check finds the same first bad entry as vllmini's, and ignores the padding nobody reads")
+
+
+# ---- notebook 03
+
+
+def prefix_sharing_answer(block_size: int, prompt: int = 10) -> int:
+    """Blocks saved when two requests fork a `prompt`-token prompt, then write one token each."""
+    from vllmini.block_manager import BlockManager
+
+    m = BlockManager(num_blocks=16, block_size=block_size)
+    m.allocate("a", prompt)
+    m.fork("a", "b")
+    m.append("a", 1)
+    m.take_pending_copies()
+    m.append("b", 1)
+    return 2 * cdiv(prompt + 1, block_size) - (m.num_blocks - m.num_free_blocks)
+
+
+def check_prefix_sharing(saved_block_size_4: int, saved_block_size_16: int) -> None:
+    """Exercise 03.1: blocks two forked requests save on a 10-token prompt, at block_size 4 and 16."""
+    want = (prefix_sharing_answer(4), prefix_sharing_answer(16))
+    got = (saved_block_size_4, saved_block_size_16)
+    assert got == want, (
+        f"got {got}; only the prompt's FULL blocks stay shared: its last, partly filled block is copied as "
+        "soon as one request writes into it"
+    )
+    _ok(f"saves {want[0]} blocks at block_size 4 and {want[1]} at 16: floor(10 / block_size) full blocks")
+
+
+def _replay(arrivals: list, watermark: int):
+    from vllmini.block_manager import BlockManager
+
+    m = BlockManager(8, 4, watermark_blocks=watermark)
+    for seq_id, n in arrivals:
+        if m.can_allocate(n):  # one that does not fit waits
+            m.allocate(seq_id, n)
+    return m
+
+
+def check_watermark(arrivals: list) -> None:
+    """Exercise 03.2: `arrivals` = [(seq_id, num_tokens), ...] admitted in order into BlockManager(8, 4)
+    when they fit: without a watermark some running sequence cannot grow by one token afterwards, with
+    watermark_blocks=1 every running one can."""
+    arrivals = [(s, int(n)) for s, n in arrivals]
+    plain, kept = _replay(arrivals, 0), _replay(arrivals, 1)
+    stuck = [s for s in plain.seq_ids if not plain.can_append(s, 1)]
+    assert stuck, (
+        f"after {arrivals} every running sequence can still grow in BlockManager(8, 4): fill the pool so "
+        "that the next token of some sequence needs a block nobody has"
+    )
+    # with one block kept back at admission, one token more always fits (it needs at most one block)
+    assert all(kept.can_append(s, 1) for s in kept.seq_ids)
+    waiting = [s for s, _ in arrivals if s not in kept.seq_ids]
+    _ok(
+        f"without a watermark seqs {stuck} are stuck (a scheduler must preempt); with one block kept back "
+        f"{waiting or 'nobody'} waits at admission and every running sequence grows"
+    )
+
+
+def block_size_answer() -> int:
+    """The first block size of 1, 2, 4, ..., 256 at which the notebook's 64 short sequences (5 to 50
+    tokens) keep less than 90% of their allocated slots busy."""
+    lengths = [random.Random(s).randint(5, 50) for s in range(64)]
+    for bs in [2**k for k in range(9)]:
+        if sum(lengths) / sum(cdiv(n, bs) * bs for n in lengths) < 0.9:
+            return bs
+    raise AssertionError("unreachable: block_size 256 wastes most slots")
+
+
+def check_block_size(first_below_90: int) -> None:
+    """Exercise 03.3: the first block size at which token utilization of the 64 short sequences
+    (`random.Random(s).randint(5, 50)` for s in range(64)) drops below 90%."""
+    want = block_size_answer()
+    assert first_below_90 == want, (
+        f"got {first_below_90}; utilization = sum(lengths) / sum(ceil(n / bs) * bs), for bs = 1, 2, 4, ..."
+    )
+    _ok(f"below 90% from block_size {want}; a kernel still prefers 16 (one lookup per 16 tokens)")
+
+
+def check_padding(read_zero_padded: list, read_minus_padded: list) -> None:
+    """Exercise 03.4: what a gather that reads every block of the row returns, on the cache
+    `torch.arange(16.).reshape(4, 4)`, for a one-block sequence in block 2 padded with 0 ([2, 0]) and
+    with -1 ([2, -1])."""
+    cache = torch.arange(16, dtype=torch.float64).reshape(4, 4)
+    for name, row, got in (("0", [2, 0], read_zero_padded), ("-1", [2, -1], read_minus_padded)):
+        want = cache[torch.tensor(row)].reshape(-1).tolist()
+        assert [float(x) for x in got] == want, (
+            f"padding {name}: got {list(got)}, expected {want} (cache[row].reshape(-1): torch reads index "
+            "-1 as the last block)"
+        )
+    _ok("both paddings return someone else's tokens; only -1 can be told from a real block id (row < 0)")
