@@ -1062,3 +1062,44 @@ def test_cuda_pictures_draw():
         cuda_plots.draw_token_mapping(seq_len=40),
     ]
     assert all(isinstance(f, Figure) and f.axes for f in figures)
+
+
+def test_butterfly_numbers_are_at_least_9_points_on_a_figure_shown_unscaled():
+    fig = cuda_plots.draw_butterfly(list(range(32)))
+    assert fig.get_size_inches()[0] * fig.dpi <= 1000  # shown at its own size in a notebook
+    lane_values = [t for t in fig.axes[0].texts if t.get_text().isdigit()]
+    assert len(lane_values) == 6 * 32 and min(t.get_fontsize() for t in lane_values) >= 9
+
+
+def test_online_softmax_sum_drops_when_the_max_grows_then_rises():
+    scores = [0.0, 2.0, 1.0, 5.0, -1.0]
+    fig = cuda_plots.draw_online_softmax(scores, chunks=2)
+    sum_ax = fig.axes[1]
+    assert sum_ax.get_ylabel() == "running sum l" and not any(
+        a.bbox.bounds == sum_ax.bbox.bounds for a in fig.axes if a is not sum_ax
+    )
+    trace = cuda_plots.online_softmax_trace(scores)
+    red = [
+        line for line in sum_ax.lines if line.get_color() == cuda_plots.PALETTE[3] and len(line.get_xdata())
+    ]
+    # one red segment per growth of the max after the first score (tokens 1 and 3), each going down
+    assert [int(line.get_xdata()[1]) for line in red] == [1, 3]
+    assert all(line.get_ydata()[1] < line.get_ydata()[0] for line in red)
+    assert [round(trace[i - 1][1] * trace[i][2], 9) for i in (1, 3)] == [
+        round(line.get_ydata()[1], 9) for line in red
+    ]
+
+
+def test_work_split_collapses_identical_versions_into_one_panel():
+    from vllmini.course import kernel_plots
+
+    per_head = [[h] * 8 for h in range(4)]
+    split = [[0] * 4 + [1] * 4 for _ in range(4)]
+    layouts = {"v1 a": per_head, "v2 b": per_head, "v3 c": per_head, "v5 d": split}
+    assert list(kernel_plots.group_identical(layouts)) == ["v1 a · v2 b · v3 c", "v5 d"]
+    fig = kernel_plots.plot_kernel_work_split(layouts)
+    titles = [ax.get_title() for ax in fig.axes]
+    assert (
+        len(titles) == 2 and "v1 a, v2 b" in titles[0] and "read 4x" in titles[0] and "read 1x" in titles[1]
+    )
+    assert list(kernel_plots.group_identical({"x": per_head, "y": split, "z": per_head})) == ["x", "y", "z"]

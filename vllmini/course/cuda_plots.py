@@ -70,7 +70,7 @@ def butterfly_steps(values) -> list[list[float]]:
     return rows
 
 
-def draw_butterfly(values, lane: int = 0, figsize=(14, 5.2)) -> Figure:
+def draw_butterfly(values, lane: int = 0, figsize=(10, 5.6)) -> Figure:
     """Which lane adds which in each step of `v += __shfl_xor_sync(0xffffffff, v, k)`; `lane` in red."""
     import matplotlib.pyplot as plt
 
@@ -83,21 +83,20 @@ def draw_butterfly(values, lane: int = 0, figsize=(14, 5.2)) -> Figure:
             mine = target == lane
             ax.plot([partner, target], [step + 0.18, step + 0.82], color="red" if mine else "#bbbbbb",
                     lw=1.8 if mine else 0.5, zorder=2 if mine else 1)  # fmt: skip
-        ax.text(WARP_SIZE - 0.2, step + 0.5, f"k = {mask:>2}: lane l adds lane l ^ {mask}", fontsize=8,
-                va="center")  # fmt: skip
+        ax.text(WARP_SIZE - 0.3, step + 0.5, f"k = {mask}", fontsize=10, va="center")
     for step, row in enumerate(rows):
         for other, value in enumerate(row):
-            ax.text(other, step, f"{value:g}", ha="center", va="center", fontsize=6.5,
-                    bbox=dict(boxstyle="round,pad=0.2", fc="#ffe0e0" if other == lane else "white",
+            ax.text(other, step, f"{value:g}", ha="center", va="center", fontsize=9,
+                    bbox=dict(boxstyle="round,pad=0.15", fc="#ffe0e0" if other == lane else "white",
                               ec="red" if other == lane else "#999999", lw=0.6))  # fmt: skip
-    ax.set_xlim(-0.7, WARP_SIZE + 6.5)
+    ax.set_xlim(-0.7, WARP_SIZE + 1.6)
     ax.set_ylim(len(rows) - 0.5, -0.7)
     ax.set_xticks(range(0, WARP_SIZE, 2))
     ax.set_xlabel("lane")
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels(["start"] + [f"after step {s}" for s in range(1, len(rows))])
-    ax.set_title(f"the butterfly: 5 shuffles, and every lane holds the sum {rows[-1][0]:g} "
-                 f"(red: the values lane {lane} adds)")  # fmt: skip
+    ax.set_title(f"the butterfly: in step k, lane l adds lane l ^ k; after 5 shuffles every lane holds\n"
+                 f"the sum {rows[-1][0]:g} (red: the values lane {lane} adds)", fontsize=11)  # fmt: skip
     bare(ax, keep=("bottom", "left"))
     fig.tight_layout()
     return fig
@@ -117,32 +116,63 @@ def online_softmax_trace(scores) -> list[tuple[float, float, float]]:
     return out
 
 
-def draw_online_softmax(scores, chunks: int = 3, figsize=(14, 4.2)) -> Figure:
-    """Left: running max and sum as the scores arrive, rescaled when the max grows. Right: `chunks`
-    warps each keep (m, l) of their own tokens; the merge rescales each to the common max."""
-    import math
-
-    import matplotlib.pyplot as plt
-
-    scores = [float(s) for s in scores]
-    trace = online_softmax_trace(scores)
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=figsize, gridspec_kw={"width_ratios": [1.5, 1]})
+def _running_max_panel(ax, scores: list, trace: list) -> None:
+    """Scores as they arrive and the running max, with the rescale factor written where the max grows."""
     t = range(len(scores))
     ax.plot(t, scores, "o", color="grey", label="score of token t")
     ax.step(t, [m for m, _, _ in trace], where="post", color=PALETTE[3], label="running max m")
     for i, (_, _, factor) in enumerate(trace):
         if 0 < factor < 1:
             ax.annotate(f"x{factor:.2f}", (i, trace[i][0]), textcoords="offset points", xytext=(0, 8),
-                        ha="center", fontsize=7, color=PALETTE[3])  # fmt: skip
-    ax.margins(y=0.2)
-    ax.set_xlabel("token t (arriving one at a time)")
-    ax.set_ylabel("score / max")
-    lx = ax.twinx()
-    lx.plot(t, [l for _, l, _ in trace], "s-", color=PALETTE[0], ms=3, label="running sum l")
-    lx.set_ylabel("l = sum of exp(score - m)", color=PALETTE[0])
-    ax.legend(handles=ax.get_legend_handles_labels()[0] + lx.get_legend_handles_labels()[0], fontsize=8,
-              loc="upper left")  # fmt: skip
+                        ha="center", fontsize=9, color=PALETTE[3])  # fmt: skip
+    ax.margins(y=0.25)
+    ax.set_ylabel("score, max m")
+    ax.legend(fontsize=9, loc="lower left", ncol=2)
     ax.set_title("online softmax: when the max grows, the sum so far is multiplied by exp(m_old - m_new)")
+
+
+def _running_sum_panel(ax, scores: list, trace: list) -> None:
+    """The running sum l, drawn in its two moves per token: the rescale of the sum so far (red, down
+    when the max grew) and the new term exp(score - m) (blue, up)."""
+    import math
+
+    prev = 0.0
+    for i, (m, l, factor) in enumerate(trace):
+        rescaled = prev * factor
+        if i and factor < 1:
+            ax.plot([i - 1, i], [prev, rescaled], color=PALETTE[3], lw=2)
+            ax.annotate(f"x{factor:.2f}", (i, rescaled), textcoords="offset points", xytext=(4, -12),
+                        fontsize=9, color=PALETTE[3])  # fmt: skip
+        elif i:
+            ax.plot([i - 1, i], [prev, rescaled], color=PALETTE[0], lw=1, alpha=0.5)
+        ax.plot([i, i], [rescaled, l], color=PALETTE[0], lw=2)  # + exp(score - m), never negative
+        ax.plot([i], [l], "s", color=PALETTE[0], ms=4)
+        assert math.isclose(l, rescaled + math.exp(scores[i] - m))
+        prev = l
+    ax.plot([], [], color=PALETTE[3], lw=2, label="max grew: l *= exp(m_old - m_new)")
+    ax.plot([], [], "s-", color=PALETTE[0], lw=2, ms=4, label="then l += exp(score - m)")
+    ax.set_ylim(0, None)
+    ax.set_xlabel("token t (arriving one at a time)")
+    ax.set_ylabel("running sum l")
+    ax.legend(fontsize=9, loc="lower right")
+
+
+def draw_online_softmax(scores, chunks: int = 3, figsize=(14, 6)) -> Figure:
+    """Left, top: scores and the running max; left, bottom: the running sum, rescaled when the max grows
+    and then raised by each new term. Right: `chunks` warps each keep (m, l) of their own tokens; the
+    merge rescales each to the common max."""
+    import math
+
+    import matplotlib.pyplot as plt
+
+    scores = [float(s) for s in scores]
+    trace = online_softmax_trace(scores)
+    fig = plt.figure(figsize=figsize)
+    grid = fig.add_gridspec(2, 2, width_ratios=[1.5, 1])
+    ax = fig.add_subplot(grid[0, 0])
+    _running_max_panel(ax, scores, trace)
+    _running_sum_panel(fig.add_subplot(grid[1, 0], sharex=ax), scores, trace)
+    bx = fig.add_subplot(grid[:, 1])
     size = math.ceil(len(scores) / chunks)
     parts = [online_softmax_trace(scores[i * size : (i + 1) * size])[-1] for i in range(chunks)]
     big = max(m for m, _, _ in parts)
@@ -153,9 +183,10 @@ def draw_online_softmax(scores, chunks: int = 3, figsize=(14, 4.2)) -> Figure:
     merged = sum(l * math.exp(m - big) for m, l, _ in parts)
     bx.bar(["merged"], [merged], color=PALETTE[2], label="sum: the whole context's l")
     for i, (m, l, _) in enumerate(parts):
-        bx.text(i, l, f"m_w = {m:.1f}", ha="center", va="bottom", fontsize=8)
-    bx.set_title(f"the merge: {chunks} warps, tokens {size} each; M = max m_w = {big:.1f}")
-    bx.legend(fontsize=8)
+        bx.text(i, l, f"m_w = {m:.1f}", ha="center", va="bottom", fontsize=9)
+    bx.set_title(f"the merge: {chunks} warps, tokens {size} each;\nM = max m_w = {big:.1f}")
+    bx.margins(y=0.12)
+    bx.legend(fontsize=9)
     fig.tight_layout()
     return fig
 

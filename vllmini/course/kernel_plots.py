@@ -41,24 +41,43 @@ def plot_decode_roofline(
     return fig
 
 
+def group_identical(layouts: dict[str, list[list[int]]]) -> dict[str, list[list[int]]]:
+    """Consecutive versions with the same work split become one entry, named "v1 a · v2 b · ..."."""
+    groups: list[tuple[list[str], list[list[int]]]] = []
+    for name, grid in layouts.items():
+        if groups and groups[-1][1] == grid:
+            groups[-1][0].append(name)
+        else:
+            groups.append(([name], grid))
+    return {" · ".join(names): grid for names, grid in groups}
+
+
 def plot_kernel_work_split(
     layouts: dict[str, list[list[int]]], *, figsize=(10, 3.2), num_tokens: int | None = None
 ) -> Figure:
-    """One panel per kernel version: rows = query heads, columns = tokens of one sequence, each cell
-    coloured by the thread block that reads that token's K/V row for that head. A column with several
-    colours is a K/V row read several times (once per block)."""
+    """One panel per distinct work split (versions that split the work alike share one panel, titled with
+    all their names): rows = query heads, columns = tokens of one sequence, each cell coloured by the
+    thread block that reads that token's K/V row for that head. A column with several colours is a K/V row
+    read several times (once per block)."""
     import matplotlib.pyplot as plt
     from matplotlib.colors import ListedColormap
 
-    fig, axes = plt.subplots(1, len(layouts), figsize=figsize, squeeze=False)
+    groups = group_identical(layouts)
+    fig, axes = plt.subplots(1, len(groups), figsize=figsize, squeeze=False)
     cmap = ListedColormap(list(PALETTE))
-    for ax, (name, grid) in zip(axes[0], layouts.items(), strict=True):
+    for ax, (name, grid) in zip(axes[0], groups.items(), strict=True):
         ax.imshow([[b % len(PALETTE) for b in row] for row in grid], cmap=cmap, vmin=0, vmax=len(PALETTE) - 1,
                   aspect="auto", interpolation="nearest")  # fmt: skip
         blocks = len({b for row in grid for b in row})
-        ax.set_title(f"{name}\n{blocks} blocks", fontsize=9)
+        reads = len({row[0] for row in grid})  # blocks that read token 0's K/V row
+        names = name.split(" · ")
+        half = (len(names) + 1) // 2
+        title = (
+            ", ".join(names) if len(names) < 3 else ", ".join(names[:half]) + ",\n" + ", ".join(names[half:])
+        )
+        ax.set_title(f"{title}\n{blocks} blocks; each K/V row read {reads}x", fontsize=9)
         ax.set_xlabel("token")
-        ax.set_yticks(range(len(grid)), [f"q{h}" for h in range(len(grid))], fontsize=7)
+        ax.set_yticks(range(len(grid)), [f"q{h}" for h in range(len(grid))], fontsize=8)
     axes[0][0].set_ylabel("query head")
     fig.tight_layout()
     return fig
