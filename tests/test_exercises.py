@@ -1,13 +1,15 @@
 """Tests for vllmini.course.exercises: every check accepts a right answer and rejects a wrong one."""
 
 import collections
+from pathlib import Path
 
 import pytest
 import torch
 
 from vllmini.allocator import BlockAllocator
 from vllmini.attention import paged_attention
-from vllmini.course import exercises
+from vllmini.course import cuda_exercises, exercises
+from vllmini.emulator import KernelError, OutOfBoundsError, RaceError
 
 
 def test_fp8_check():
@@ -212,3 +214,55 @@ def test_page_table_checks(capsys):
     with pytest.raises(AssertionError, match="padding -1"):
         exercises.check_padding([8, 9, 10, 11, 0, 1, 2, 3], [8, 9, 10, 11])
     assert capsys.readouterr().out.count("correct:") == 4
+
+
+# ---- the CUDA exercises (kernels/exercises/*.cu), run on the CPU emulator
+
+EXERCISES = Path(__file__).resolve().parents[1] / "kernels" / "exercises"
+CUDA_CHECKS = {
+    "warp_reduction.cu": cuda_exercises.check_warp_reduction_kernel,
+    "split_merge.cu": cuda_exercises.check_split_merge_kernel,
+}
+
+
+@pytest.mark.parametrize("name", sorted(CUDA_CHECKS))
+def test_cuda_exercise_solution_passes_and_skeleton_fails(name, capsys):
+    check = CUDA_CHECKS[name]
+    check((EXERCISES / "solutions" / name).read_text())
+    assert capsys.readouterr().out.startswith("correct: ")
+    skeleton = (EXERCISES / name).read_text()
+    assert "TODO" in skeleton
+    with pytest.raises(AssertionError, match=r"wrong values at sequence \d+, head \d+: out\[") as info:
+        check(skeleton)  # it compiles and runs; only the answer is wrong
+    assert "expected" in str(info.value)
+
+
+WARP_BUGS = [  # (what the bug changes in the solution, the error, what its message must say)
+    (
+        ("0xffffffffu", "0x0000ffffu"),
+        KernelError,
+        r"warp_reduction.cu:\d+: .*0x0000ffff.*not in the mask",
+    ),
+    (("WARP_SIZE / 2; offset > 0", "WARP_SIZE / 4; offset > 0"), AssertionError, r"wrong values.*butterfly"),
+    (("if (lane == 0) scores[t]", "scores[t]"), RaceError, r"warp_reduction.cu:\d+: race on shared memory"),
+]
+MERGE_BUGS = [
+    (
+        ("__syncthreads();  // every weight", "// every weight"),
+        RaceError,
+        r"split_merge.cu:\d+: race",
+    ),
+    (("expf(ml[2 * s] - M)", "expf(ml[2 * s])"), AssertionError, r"= nan, .*scores of size ~500.*overflows"),
+    (("s < num_splits; s++) acc", "s <= num_splits; s++) acc"), OutOfBoundsError, r"read .* of `part_out`"),
+]
+
+
+@pytest.mark.parametrize(
+    "name, bug", [("warp_reduction.cu", b) for b in WARP_BUGS] + [("split_merge.cu", b) for b in MERGE_BUGS]
+)
+def test_cuda_exercise_checks_name_a_planted_bug(name, bug):
+    (old, new), error, message = bug
+    solution = (EXERCISES / "solutions" / name).read_text()
+    assert old in solution
+    with pytest.raises(error, match=message):
+        CUDA_CHECKS[name](solution.replace(old, new))

@@ -1,0 +1,59 @@
+// split_merge.cu -- worked solution of notebook 07's exercise "write the split-context merge".
+//
+// A long context is cut into num_splits pieces, each attended by its own thread block (version 5's split
+// contexts, FlashDecoding). Piece s of a (sequence, head) row leaves three things behind:
+//     m_s    the largest score in the piece (natural units: score = scale * q . k)
+//     l_s    the sum over the piece of exp(score - m_s)
+//     o_s    the piece's output: sum over the piece of exp(score - m_s) * v, divided by l_s   (head_size,)
+// A piece with no tokens (past the end of a shorter sequence) has m_s = -INFINITY, l_s = 0, o_s = 0.
+// The whole row's softmax output, by log-sum-exp: with M = max_s m_s and w_s = l_s * exp(m_s - M),
+//     out = sum_s w_s * o_s / sum_s w_s
+// (exp(m_s - M) <= 1, so nothing overflows however large the scores; version 5's merge kernel does the
+// same in the log2 domain, with exp2f).
+//
+// Shapes (contiguous, float32):
+//     out        [num_seqs, num_heads, head_size]
+//     part_out   [num_seqs, num_heads, num_splits, head_size]   o_s
+//     part_ml    [num_seqs, num_heads, num_splits, 2]           (m_s, l_s)
+// Launch: grid = (num_seqs, num_heads), one thread block per row; block = (128,) (any size up to 1024
+// works); no dynamic shared memory; num_splits <= MAX_SPLITS.
+// Checked by vllmini.course.exercises.check_split_merge_kernel(source).
+
+#define MAX_SPLITS 256
+#ifndef INFINITY  // NVRTC has no <math.h>; the bit pattern will do
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+extern "C" __global__ void split_merge(
+    float* out,             // [num_seqs, num_heads, head_size]
+    const float* part_out,  // [num_seqs, num_heads, num_splits, head_size]
+    const float* part_ml,   // [num_seqs, num_heads, num_splits, 2]
+    const int num_splits,
+    const int head_size)
+{
+    if (num_splits > MAX_SPLITS) __trap();
+    __shared__ float weight[MAX_SPLITS];  // w_s of every piece, shared by the block
+
+    const long long row = (long long)blockIdx.x * gridDim.y + blockIdx.y;  // (sequence, head)
+    const float* ml = part_ml + row * num_splits * 2;                       // (m_s, l_s) pairs
+    const float* o = part_out + row * num_splits * head_size;               // [num_splits, head_size]
+
+    // 1. M = the largest m_s (every thread finds it: num_splits values, cheap)
+    float M = -INFINITY;
+    for (int s = 0; s < num_splits; s++) M = fmaxf(M, ml[2 * s]);
+
+    // 2. each piece's weight w_s = l_s * exp(m_s - M), one thread per piece
+    for (int s = threadIdx.x; s < num_splits; s += blockDim.x) {
+        weight[s] = ml[2 * s + 1] * expf(ml[2 * s] - M);  // an empty piece: 0 * exp(-inf) = 0
+    }
+    __syncthreads();  // every weight is written before any thread reads them
+
+    // 3. out = sum_s w_s o_s / sum_s w_s; thread tid takes dims tid, tid + blockDim.x, ...
+    float total = 0.0f;
+    for (int s = 0; s < num_splits; s++) total += weight[s];
+    for (int d = threadIdx.x; d < head_size; d += blockDim.x) {
+        float acc = 0.0f;
+        for (int s = 0; s < num_splits; s++) acc += weight[s] * o[(long long)s * head_size + d];
+        out[row * head_size + d] = acc / total;
+    }
+}
