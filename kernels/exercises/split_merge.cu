@@ -21,7 +21,7 @@
 // YOUR PART: steps 1 and 2 of the kernel (look for TODO); step 3 and the barrier are given. As given,
 // the file compiles and runs, but every piece gets the same weight, so the output is the plain average
 // of the pieces' outputs: wrong. Check your version with
-//     from vllmini.course.exercises import check_split_merge_kernel
+//     from vllmini.course.cuda_exercises import check_split_merge_kernel
 //     check_split_merge_kernel(source)     # source: the text of this file, with your steps 1 and 2
 // which runs it on the CPU emulator (checked mode, then the race detector) against a float64 reference,
 // with scores in the hundreds too, where exp(m_s) on its own overflows.

@@ -10,7 +10,7 @@
 // YOUR PART: the body of warp_sum() below (look for TODO). Everything else is given and correct. As
 // given, the file compiles and runs, but warp_sum returns each lane's own partial sum, so the scores --
 // and the output -- are wrong. Check your version with
-//     from vllmini.course.exercises import check_warp_reduction_kernel
+//     from vllmini.course.cuda_exercises import check_warp_reduction_kernel
 //     check_warp_reduction_kernel(source)     # source: the text of this file, with your warp_sum
 // which runs it on the CPU emulator (checked mode) against a float64 reference, on random block tables.
 // Worked solution: kernels/exercises/solutions/warp_reduction.cu.

@@ -17,7 +17,7 @@
 //     part_ml    [num_seqs, num_heads, num_splits, 2]           (m_s, l_s)
 // Launch: grid = (num_seqs, num_heads), one thread block per row; block = (128,) (any size up to 1024
 // works); no dynamic shared memory; num_splits <= MAX_SPLITS.
-// Checked by vllmini.course.exercises.check_split_merge_kernel(source).
+// Checked by vllmini.course.cuda_exercises.check_split_merge_kernel(source).
 
 #define MAX_SPLITS 256
 #ifndef INFINITY  // NVRTC has no <math.h>; the bit pattern will do

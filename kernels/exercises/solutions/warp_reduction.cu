@@ -11,7 +11,7 @@
 //
 // Launch: grid = (num_seqs, num_heads), block = (128,), dynamic shared memory =
 // (max_num_blocks_per_seq * block_size + 128) * 4 bytes; the arguments of paged_attention_1_plain.
-// Checked by vllmini.course.exercises.check_warp_reduction_kernel(source).
+// Checked by vllmini.course.cuda_exercises.check_warp_reduction_kernel(source).
 
 #define NUM_THREADS 128
 #define WARP_SIZE 32
