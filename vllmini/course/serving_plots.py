@@ -173,12 +173,12 @@ def plot_latency_vs_rate(points, *, factor: float = 5.0, ax: Axes | None = None,
 
 
 def plot_step_tokens(
-    steps: list[dict], budget: int, *, ax: Axes | None = None, title: str | None = None
+    steps: list[dict], budget: int | None, *, ax: Axes | None = None, title: str | None = None
 ) -> Axes:
     """The tokens of each step's forward, stacked by request: `steps[k]` maps a request id to the span
     (start, end, is_prefill) of its tokens computed in step k (start = its num_computed_tokens before the
     step). Prefill chunks are hatched and labelled start-end, decodes are one plain token; the dashed
-    line is the token budget (max_num_batched_tokens)."""
+    line is the token budget (max_num_batched_tokens; None draws none)."""
     import matplotlib.pyplot as plt
 
     if ax is None:
@@ -193,8 +193,16 @@ def plot_step_tokens(
                 box = {"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.8}
                 ax.text(k, bottom + n / 2, f"{start}-{end}", ha="center", va="center", fontsize=8, bbox=box)
             bottom += n
-    ax.axhline(budget, color="black", ls="--", lw=1)
-    ax.text(len(steps) - 0.5, budget, f"budget {budget}", ha="right", va="bottom", fontsize=8)
+    if budget is not None:
+        ax.axhline(budget, color="black", ls="--", lw=1)
+        ax.text(
+            len(steps) - 0.5,
+            budget,
+            f"max_num_batched_tokens = {budget}",
+            ha="right",
+            va="bottom",
+            fontsize=8,
+        )
     rids = sorted({rid for spans in steps for rid in spans})
     handles = swatches(*({"color": seq_color(r)} for r in rids), {"facecolor": "white", "edgecolor": "grey",
                                                                   "hatch": "//"})  # fmt: skip
