@@ -266,3 +266,36 @@ def test_cuda_exercise_checks_name_a_planted_bug(name, bug):
     assert old in solution
     with pytest.raises(error, match=message):
         CUDA_CHECKS[name](solution.replace(old, new))
+
+
+# ---- notebook 08
+
+
+def test_beam_replace_check():
+    def right(bm, parents):
+        for new, parent in parents.items():
+            bm.fork(parent, new)
+        for old in [s for s in bm.seq_ids if s not in parents]:
+            bm.free(old)
+
+    def frees_first(bm, parents):  # frees the survivors before forking them: fork of a freed sequence fails
+        for old in [s for s in bm.seq_ids if s not in parents]:
+            bm.free(old)
+
+    def never_frees(bm, parents):
+        for new, parent in parents.items():
+            bm.fork(parent, new)
+
+    exercises.check_beam_replace(right)
+    for wrong in (frees_first, never_frees):
+        with pytest.raises(AssertionError):
+            exercises.check_beam_replace(wrong)
+
+
+def test_memory_saved_check():
+    from vllmini.checks import cdiv
+
+    exercises.check_memory_saved(lambda n, p, o, bs: (n - 1) * (p // bs) / (n * cdiv(p + o, bs)))
+    with pytest.raises(AssertionError):  # the exercise's formula counts every prompt token as shared
+        exercises.check_memory_saved(lambda n, p, o, bs: (n - 1) * p / (n * (p + o)))
+    assert exercises.memory_saved_answer(3, 10, 8, 4) == pytest.approx(2 * 2 / (3 * 5))

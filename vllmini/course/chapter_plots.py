@@ -356,3 +356,53 @@ def plot_requests_that_fit(
         ax.legend(frameon=False, fontsize=8)
     fig.tight_layout()
     return fig
+
+
+# One engine step, stage by stage: (stage, vLLM 0.11.0 names, vllmini names). The vLLM names are
+# classes/methods of its V1 engine (vllm/v1/...); the vllmini names resolve under the package.
+ENGINE_STEP = (
+    ("scheduler", ("Scheduler.schedule",), ("scheduler.Scheduler.schedule",)),
+    ("KV cache manager\n+ block pool", ("KVCacheManager.allocate_slots", "BlockPool.get_new_blocks"),
+     ("block_manager.BlockManager.append", "allocator.BlockAllocator")),
+    ("inputs and\nattention metadata", ("GPUModelRunner._prepare_inputs", "BlockTable.compute_slot_mapping",
+                                        "CommonAttentionMetadata"),
+     ("model_runner.prepare_inputs", "attention.AttentionMetadata")),
+    ("model runner:\nthe forward", ("GPUModelRunner.execute_model", "LlamaForCausalLM", "FlashAttentionImpl"),
+     ("model_runner.ModelRunner.execute", "model.LlamaModel", "attention.paged_attention")),
+    ("sampler", ("Sampler",), ("sampling.sample_batch",)),
+    ("update", ("Scheduler.update_from_output",), ("engine.LLMEngine.step",)),
+)  # fmt: skip
+
+
+def draw_engine_step(*, figsize: tuple[float, float] = (16, 4.4)) -> Figure:
+    """One engine step as boxes in the order they run (ENGINE_STEP): each box names the stage, the vLLM
+    0.11.0 functions that do it and, below a line, vllmini's; the frame is the step itself."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
+
+    fig, ax = plt.subplots(figsize=figsize)
+    width, gap = 2.45, 0.45
+    for i, (stage, vllm, ours) in enumerate(ENGINE_STEP):
+        x, color = i * (width + gap), PALETTE[i % len(PALETTE)]
+        ax.add_patch(FancyBboxPatch((x, 0), width, 2.6, boxstyle="round,pad=0.05", fc=color, alpha=0.14,
+                                    edgecolor=color, lw=2))  # fmt: skip
+        ax.text(x + width / 2, 2.45, stage, ha="center", va="top", fontsize=10.5, weight="bold")
+        ax.text(x + width / 2, 1.72, "\n".join(vllm), ha="center", va="top", fontsize=8, family="monospace")
+        ax.text(x + width / 2, 0.62, "vllmini:\n" + "\n".join(n.split(".", 1)[1] for n in ours), ha="center",
+                va="top", fontsize=7.5, family="monospace", color="#555555")  # fmt: skip
+        ax.plot([x + 0.1, x + width - 0.1], [0.78, 0.78], color=color, lw=0.8)
+        if i:
+            ax.add_patch(FancyArrowPatch((x - gap + 0.02, 1.3), (x - 0.02, 1.3), arrowstyle="-|>",
+                                         mutation_scale=14, color="black"))  # fmt: skip
+    total = len(ENGINE_STEP) * (width + gap) - gap
+    ax.add_patch(FancyBboxPatch((-0.25, -0.3), total + 0.5, 3.35, boxstyle="round,pad=0.02", fill=False,
+                                edgecolor="grey", ls="--"))  # fmt: skip
+    ax.text(-0.15, 2.9, "EngineCore.step (vLLM)  |  LLMEngine.step (vllmini)", fontsize=9, color="grey",
+            va="center", family="monospace")  # fmt: skip
+    note = "from the KV cache manager to the model runner travels a SchedulerOutput: which requests run, "
+    ax.text(total / 2, -0.5, note + "how many new tokens each, their new blocks",
+            ha="center", va="top", fontsize=8.5, style="italic")  # fmt: skip
+    ax.set(xlim=(-0.4, total + 0.4), ylim=(-0.9, 3.2))
+    ax.axis("off")
+    fig.tight_layout()
+    return fig

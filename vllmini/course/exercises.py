@@ -495,3 +495,76 @@ def check_padding(read_zero_padded: list, read_minus_padded: list) -> None:
             "-1 as the last block)"
         )
     _ok("both paddings return someone else's tokens; only -1 can be told from a real block id (row < 0)")
+
+
+# ---- notebook 08
+
+
+def check_beam_replace(fn: Callable) -> None:
+    """Exercise 08.1: fn(bm, parents) replaces a step's beams: `parents` maps each new beam id to the live
+    beam it continues; afterwards the block manager holds exactly the new beams, each with its parent's
+    page table (shared, not copied), and every block no new beam uses is free again."""
+    from vllmini.block_manager import BlockManager
+
+    cases = [
+        ({"a": 9, "b": 9}, {"c": "a", "d": "a", "e": "b"}),  # a kept twice, b once
+        ({"a": 12, "b": 12, "c": 12}, {"x": "c", "y": "c", "z": "c"}),  # only c survives
+        ({"a": 5}, {"b": "a"}),
+    ]
+    for lengths, parents in cases:
+        bm = BlockManager(num_blocks=32, block_size=4)
+        for seq, n in lengths.items():
+            bm.allocate(seq, n)
+        before = {s: bm.block_table(s).block_ids for s in lengths}
+        free_before = bm.num_free_blocks
+        fn(bm, dict(parents))
+        assert sorted(bm.seq_ids) == sorted(parents), (
+            f"live sequences {sorted(bm.seq_ids)}, expected the new beams {sorted(parents)}: free the old"
+        )
+        for new, parent in parents.items():
+            got = bm.block_table(new).block_ids
+            assert got == before[parent], (
+                f"beam {new!r} has blocks {got}, expected its parent's {before[parent]}"
+            )
+        kept = {b for p in set(parents.values()) for b in before[p]}
+        want_free = free_before + sum(len(before[s]) for s in before if s not in parents.values())
+        assert bm.num_free_blocks == want_free, (
+            f"{bm.num_free_blocks} free blocks, expected {want_free}: a beam no new beam continues frees its "
+            "blocks; a surviving one's must not be freed while a new beam shares them (fork first)"
+        )
+        for b in kept:
+            users = sum(b in bm.block_table(n).block_ids for n in parents)
+            assert bm.allocator.ref_count(b) == users, (
+                f"block {b}: reference count {bm.allocator.ref_count(b)}, {users} beams use it"
+            )
+    _ok("fork each survivor into its new beams, then free the old beams: pages shared, nothing copied")
+
+
+def memory_saved_answer(n: int, prompt_len: int, output_len: int, block_size: int) -> float:
+    """The share of KV blocks parallel sampling saves at the end of one request of n samples (whole prompt
+    blocks shared, each sample's partial prompt block copied), counted on a real BlockManager."""
+    from vllmini.block_manager import BlockManager
+
+    bm = BlockManager(num_blocks=n * (cdiv(prompt_len + output_len, block_size) + 1), block_size=block_size)
+    bm.allocate(0, prompt_len)
+    for i in range(1, n):
+        bm.fork(0, i)
+    for _ in range(output_len):
+        for i in range(n):
+            bm.append(i, 1)
+        bm.take_pending_copies()
+    logical = sum(bm.block_table(i).num_blocks for i in range(n))
+    return 1 - bm.utilization()["used_blocks"] / logical
+
+
+def check_memory_saved(fn: Callable) -> None:
+    """Exercise 08.4: fn(n, prompt_len, output_len, block_size) -> the share of KV blocks parallel sampling
+    saves at the end of a request of n samples, when only whole prompt blocks are shared."""
+    for n, p, o, bs in [(2, 19, 58, 16), (4, 19, 58, 16), (6, 19, 58, 16), (4, 161, 338, 16), (3, 10, 8, 4),
+                        (2, 15, 1, 16), (5, 32, 7, 16), (3, 1, 20, 1)]:  # fmt: skip
+        want, got = memory_saved_answer(n, p, o, bs), float(fn(n, p, o, bs))
+        assert math.isclose(got, want, abs_tol=1e-9), (
+            f"n={n}, prompt {p}, output {o}, blocks of {bs}: got {got:.4f}, expected {want:.4f} (shared: the "
+            "prompt's whole blocks, once; every sample holds ceil((p + o) / block_size) logical blocks)"
+        )
+    _ok("(n - 1) * (p // block_size) / (n * ceil((p + o) / block_size)), as the block manager counts it")

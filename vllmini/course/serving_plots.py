@@ -1,5 +1,6 @@
-"""Pictures of an engine at work (notebook 06): what each request did per step, the pool and the batch
-over a run, static vs paged reservation, and latency against request rate.
+"""Pictures of an engine at work (notebook 06): what each request did per step, the tokens of each step under
+chunked prefill, the pool and the batch over a run, static vs paged reservation, and latency against
+request rate.
 
 They only read what they are given (per-step records, results, rate-sweep points) and return the Figure.
 """
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from vllmini.course.style import POLICY_COLORS, SCHEME_COLORS, bare, swatches
+from vllmini.course.style import POLICY_COLORS, SCHEME_COLORS, bare, seq_color, swatches
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -157,7 +158,7 @@ def plot_latency_vs_rate(points, *, factor: float = 5.0, ax: Axes | None = None,
         thresholds.append((1e3 * s.threshold, color))
     spread = max(t for t, _ in thresholds) / min(t for t, _ in thresholds)
     for t, color in thresholds[:1] if spread < 1.05 else thresholds:  # one line when they coincide
-        ax.axhline(t, color="grey" if spread < 1.05 else color, ls="--", lw=0.9)
+        ax.axhline(t, color="black" if spread < 1.05 else color, ls="--", lw=0.9)
     ax.set_yscale("log")
     ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 3.0, 5.0, 7.0)))
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
@@ -168,4 +169,45 @@ def plot_latency_vs_rate(points, *, factor: float = 5.0, ax: Axes | None = None,
         title=title or f"latency vs request rate (dashed: {factor:g}x the lowest-rate latency)",
     )
     ax.legend(fontsize=8, loc="lower right")  # the curves rise to the upper left
+    return ax
+
+
+def plot_step_tokens(
+    steps: list[dict], budget: int | None, *, ax: Axes | None = None, title: str | None = None
+) -> Axes:
+    """The tokens of each step's forward, stacked by request: `steps[k]` maps a request id to the span
+    (start, end, is_prefill) of its tokens computed in step k (start = its num_computed_tokens before the
+    step). Prefill chunks are hatched and labelled start-end, decodes are one plain token; the dashed
+    line is the token budget (max_num_batched_tokens; None draws none)."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6, 3.6))
+    for k, spans in enumerate(steps):
+        bottom = 0
+        for rid, (start, end, prefill) in sorted(spans.items()):
+            n, color = end - start, seq_color(rid)
+            hatch = "//" if prefill else None
+            ax.bar(k, n, bottom=bottom, width=0.8, color=color, edgecolor="white", hatch=hatch)
+            if prefill and n >= 2:
+                box = {"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.8}
+                ax.text(k, bottom + n / 2, f"{start}-{end}", ha="center", va="center", fontsize=8, bbox=box)
+            bottom += n
+    if budget is not None:
+        ax.axhline(budget, color="black", ls="--", lw=1)
+        ax.text(
+            len(steps) - 0.5,
+            budget,
+            f"max_num_batched_tokens = {budget}",
+            ha="right",
+            va="bottom",
+            fontsize=8,
+        )
+    rids = sorted({rid for spans in steps for rid in spans})
+    handles = swatches(*({"color": seq_color(r)} for r in rids), {"facecolor": "white", "edgecolor": "grey",
+                                                                  "hatch": "//"})  # fmt: skip
+    ax.legend(handles, [f"request {r}" for r in rids] + ["prefill chunk (start-end)"], fontsize=8,
+              loc="upper right")  # fmt: skip
+    ax.set(xlabel="step", ylabel="tokens in the forward", xticks=range(len(steps)), title=title or "")
+    bare(ax, keep=("bottom", "left"))
     return ax

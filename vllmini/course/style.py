@@ -16,7 +16,8 @@ ROW_HEIGHT = 0.8  # drawn height of a block row (rows are 1 apart)
 
 PROMPT_FACE, OUTPUT_FACE, EMPTY_FACE, EMPTY_EDGE = "#4C72B0", "#DD8452", "#F4CCCC", "#C0392B"
 SCHEME_COLORS = {"static": "#C0392B", "pow2": "#8E44AD", "oracle": "#7F8C8D", "paged": "#27AE60"}
-POLICY_COLORS = {"static": "C3", "oracle": "C1", "paged": "C2"}
+# one colour per policy in every picture of the course (the three serving policies are schemes of 01)
+POLICY_COLORS = {p: SCHEME_COLORS[p] for p in ("static", "oracle", "paged")}
 
 
 def plural(count: int, word: str) -> str:
