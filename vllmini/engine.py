@@ -196,14 +196,7 @@ class LLMEngine:
         self.device, self.seed = model.device, config.seed
         self.runner = runner = ModelRunner(model, config)  # the KV cache, the attention backend, the graphs
         self.kv_cache, self.backend, self.graphs = runner.kv_cache, runner.backend, runner.graphs
-        options = (
-            "policy watermark max_num_seqs max_num_batched_tokens enable_prefix_caching "
-            "enable_chunked_prefill"
-        )
-        self.scheduler = Scheduler(
-            runner.kv_cache.num_blocks, config.block_size, max_model_len,
-            **{name: getattr(config, name) for name in options.split()},
-        )  # fmt: skip
+        self.scheduler = Scheduler(config, runner.kv_cache.num_blocks)
         # the options as run: max_num_batched_tokens as the scheduler resolved it
         batched = self.scheduler.max_num_batched_tokens
         self.config = self.runner.config = replace(config, max_num_batched_tokens=batched)

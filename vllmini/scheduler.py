@@ -33,11 +33,15 @@ from __future__ import annotations
 
 from collections import deque
 from itertools import islice
+from typing import TYPE_CHECKING
 
 from vllmini.block_manager import BlockManager
-from vllmini.checks import as_block_size, as_bool, as_fraction, as_int, cdiv, one_of
+from vllmini.checks import as_int, cdiv, one_of
 from vllmini.errors import EngineStateError, InvalidArgumentError
 from vllmini.sequence import SchedulerOutput, Sequence, SequenceStatus, as_group
+
+if TYPE_CHECKING:
+    from vllmini.engine import EngineConfig
 
 POLICIES = ("paged", "static", "oracle")
 
@@ -53,40 +57,26 @@ def check_policy(policy, enable_prefix_caching: bool = False) -> str:
 class Scheduler:
     """Queues of waiting and running sequences over one `BlockManager`."""
 
-    def __init__(
-        self,
-        num_blocks: int,
-        block_size: int,
-        max_model_len: int,
-        *,
-        policy: str = "paged",
-        watermark: float = 0.01,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        enable_prefix_caching: bool = False,
-        enable_chunked_prefill: bool = False,
-    ):
-        enable_prefix_caching = as_bool(enable_prefix_caching, "enable_prefix_caching")
-        check_policy(policy, enable_prefix_caching)
-        num_blocks = as_int(num_blocks, "num_blocks", min=1)
-        block_size = as_block_size(block_size)
-        max_model_len = as_int(max_model_len, "max_model_len", min=1)
-        max_num_seqs = as_int(max_num_seqs, "max_num_seqs", min=1)
-        watermark = as_fraction(watermark, "watermark", "[0, 1)")
-        if max_num_batched_tokens is not None:
-            max_num_batched_tokens = as_int(max_num_batched_tokens, "max_num_batched_tokens", min=1)
+    def __init__(self, config: EngineConfig, num_blocks: int):
+        """`config`: a checked EngineConfig with max_model_len set; `num_blocks`: the pool."""
+        if config.max_model_len is None:
+            raise InvalidArgumentError("the scheduler needs config.max_model_len, got None")
+        num_blocks, block_size = as_int(num_blocks, "num_blocks", min=1), config.block_size
+        policy, max_model_len = config.policy, config.max_model_len
         # reservations never grow, so static policies need no headroom
-        watermark_blocks = int(watermark * num_blocks) if policy == "paged" else 0
-        self.block_manager = BlockManager(num_blocks, block_size, watermark_blocks, enable_prefix_caching)
+        watermark_blocks = int(config.watermark * num_blocks) if policy == "paged" else 0
+        self.block_manager = BlockManager(
+            num_blocks, block_size, watermark_blocks, config.enable_prefix_caching
+        )
         if policy == "static" and cdiv(max_model_len, block_size) > num_blocks:
             raise InvalidArgumentError(
                 f"policy 'static' reserves max_model_len={max_model_len} slots per request, but "
                 f"the pool has only {num_blocks} blocks x {block_size} = {num_blocks * block_size}"
             )
         self.policy, self.block_size, self.max_model_len = policy, block_size, max_model_len
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens or max(max_model_len, 2048)
-        self.enable_chunked_prefill = as_bool(enable_chunked_prefill, "enable_chunked_prefill")
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens or max(max_model_len, 2048)
+        self.enable_chunked_prefill = config.enable_chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last one is preempted first
         self.num_preemptions = 0
