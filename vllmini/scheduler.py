@@ -1,32 +1,11 @@
-"""Continuous batching: which sequences run in the next forward, and where their tokens go.
+"""Continuous batching (notebook 06; sharing pages: notebook 08): which sequences run in each step.
 
-Every step builds one batch: each running sequence takes one decode step, and waiting prompts are admitted
-(prefilled) while the block pool has room, keeping a small watermark of free blocks so the running ones can
-still grow. A decode that needs a new block when none is free preempts the most recently admitted sequence
-*by recomputation*: its blocks are freed and it goes back to the head of the waiting queue with the tokens
-it has generated, to be prefilled (prompt + generated) in one go when admitted again. Requests are never
-lost or duplicated.
-
-Sharing pages. A request with n samples (parallel sampling) is a group of n sequences, admitted together
-only if the whole group fits (each counts against max_num_seqs) and preempted together. A fresh group
-prefills its prompt once: the others fork the first sample's page table, sample from its logits and copy
-the shared, partly filled last block before writing into it (copy-on-write). Readmitted after preemption,
-they share the first one's whole blocks as far as their tokens agree. With prefix caching, an admitted
-sequence starts on the longest cached prefix of its tokens. Either way a prefill computes tokens
-[num_computed_tokens, num_tokens): it may start at k > 0. With enable_chunked_prefill, prompts take chunks
-of what the decodes leave of max_num_batched_tokens (`schedule_chunks`): running decodes get their token
-first, then sequences still prefilling, oldest first, then newly admitted ones. A request is admitted with
-blocks for all its tokens, so chunks never allocate or preempt.
-
-A step can be undone: `snapshot()` before `schedule()` and `restore()` after a failed forward put back
-every allocation, append and preemption, so the next `schedule()` makes the same batch again. A sequence
-preempted in the failed step gets its blocks back, but the failed forward may have written other tokens
-into them: it is marked stale and recomputed unless the replayed step preempts it again anyway.
-
-Policies (POLICIES), over the same model and pool: "paged" allocates blocks as tokens arrive (vLLM);
-"static" reserves max_model_len slots per admitted request up front (before paging; Orca (Max)); "oracle"
-reserves exactly prompt + max_tokens (Orca (Oracle): knows its length). Reservations are whole blocks
-of the same pool, so all else stays equal; one can never run out, so static policies never preempt.
+Running sequences decode one token each; waiting requests are admitted (FCFS) while the pool keeps a
+watermark of free blocks. A decode that finds no free block preempts the most recently admitted group *by
+recomputation*: its blocks are freed and it waits again at the head of the queue. The n samples of a
+request are admitted, forked (copy-on-write) and preempted together; with chunked prefill, prompts take
+chunks of the token budget the decodes leave. `snapshot()` / `restore()` undo a failed step. POLICIES:
+"paged" (vLLM) allocates as tokens arrive; "static" and "oracle" (Orca) reserve up front, never preempt.
 """
 
 from __future__ import annotations
@@ -84,12 +63,8 @@ class Scheduler:
         self._requests: dict = {}  # request_id -> its group, while any sample is waiting or running
         self._stale: set = set()  # seq_ids whose cached KV a failed forward may have overwritten
 
-    # -------------------------------------------------------------------------
-    # requests in and out
-
     def check_fits(self, seqs: Sequence | list[Sequence]) -> None:
-        """InvalidArgumentError (a ValueError) if a request (one sequence, or the n samples of one prompt)
-        could never run, even alone with the whole pool."""
+        """InvalidArgumentError if a request (one sequence, or n samples) could never run, even alone."""
         group = [seqs] if isinstance(seqs, Sequence) else list(seqs)
         seq, n, bs = group[0], len(group), self.block_size
         if seq.max_len > self.max_model_len:
@@ -117,9 +92,7 @@ class Scheduler:
             )
 
     def add(self, seqs: Sequence | list[Sequence]) -> None:
-        """Queue a new request at the back: one sequence, or the n samples of one prompt (a list, with
-        one request_id). A seq_id or request_id already waiting or running is refused, as is a sequence
-        that already ran."""
+        """Queue a new request: one sequence, or the n samples of one prompt (one request_id)."""
         group = as_group(seqs)
         for seq in group:
             if seq.seq_id in self._live:
@@ -143,8 +116,7 @@ class Scheduler:
         self._retire(seq, reason)
 
     def abort(self, request_id) -> Sequence | None:
-        """Stop every waiting or running sample of a request (between steps) and free their blocks.
-        Returns its first sample (`.group` holds them all), or None if no sample was waiting or running."""
+        """Stop every unfinished sample of a request; returns its first sample, or None if none was live."""
         group = self._requests.get(request_id, [])
         live = [s for s in group if self._live.get(s.seq_id) is s]
         for seq in live:
@@ -152,7 +124,7 @@ class Scheduler:
         return group[0] if live else None
 
     def _retire(self, seq: Sequence, reason: str) -> None:
-        """Take a waiting or running `seq` out of the queues for good (freeing its blocks)."""
+        """Take `seq` out of the queues for good (freeing its blocks)."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.block_manager.free(seq.seq_id)
@@ -167,11 +139,8 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    # -------------------------------------------------------------------------
-    # undoing a step
-
     def snapshot(self) -> tuple:
-        """Everything `schedule()` changes: queues, statuses, preemption counts and the block manager."""
+        """Everything `schedule()` changes, for `restore`."""
         seqs = [*self.waiting, *self.running]
         return (
             list(self.waiting),
@@ -182,8 +151,8 @@ class Scheduler:
         )
 
     def restore(self, snapshot: tuple, stale=()) -> None:
-        """Undo everything since `snapshot()`. `stale`: sequences whose blocks a failed forward may have
-        written into (those preempted in that step); they are recomputed unless preempted again."""
+        """Undo everything since `snapshot()`. `stale`: sequences preempted in the failed step (their
+        blocks may hold its writes): recomputed unless preempted again."""
         waiting, running, seqs, num_preemptions, blocks = snapshot
         self.waiting, self.running = deque(waiting), list(running)
         for seq, status, n, computed in seqs:
@@ -192,19 +161,16 @@ class Scheduler:
         self.block_manager.restore(blocks)
         self._stale.update(s.seq_id for s in stale if s.status is SequenceStatus.RUNNING)
 
-    # -------------------------------------------------------------------------
-    # one step
-
     def _reserve(self, seq: Sequence) -> int:
         """Slots a static policy reserves for `seq` at admission."""
         return self.max_model_len if self.policy == "static" else seq.max_len
 
     def _admit_tokens(self, seq: Sequence) -> int:
-        """Slots `seq` takes when admitted: its tokens (paged), or its reservation (static policies)."""
+        """Slots `seq` takes when admitted: its tokens (paged), or its reservation."""
         return seq.num_tokens if self.policy == "paged" else self._reserve(seq)
 
     def stall_message(self) -> str:
-        """Why nothing can be scheduled although requests wait (for the engine's no-progress error)."""
+        """Why nothing can be scheduled although requests wait (the engine's no-progress error)."""
         bm, head = self.block_manager, self.waiting[0]
         group = [s for s in head.group if s.status is SequenceStatus.WAITING]
         need = self._plan_admission(group)[2]
@@ -218,9 +184,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's batch, allocating or reserving the slots its new tokens go to."""
         out = SchedulerOutput()
-        self._schedule_decodes(out)  # 1) running sequences decode, preempting if the pool runs out
-        self._schedule_admissions(out)  # 2) waiting requests start (or take a chunk) while they fit
-        # 3) the slots of this step's new tokens
+        self._schedule_decodes(out)
+        self._schedule_admissions(out)
         spans = out.spans
         for seq, (start, end) in zip(out.seqs, spans, strict=True):
             out.slot_mapping += self.block_manager.slot_mapping(seq.seq_id, start, end)
@@ -228,9 +193,8 @@ class Scheduler:
         return out
 
     def _schedule_decodes(self, out: SchedulerOutput) -> None:
-        """Every running sequence decodes one token (the one it sampled last step), oldest first; with
-        chunked prefill, those still prefilling get their next chunk in `_schedule_admissions`. While a
-        decode finds no free block, the most recently admitted group is preempted."""
+        """Every running sequence decodes one token, oldest first; while one finds no free block, the most
+        recently admitted group is preempted."""
         bm = self.block_manager
         order = {id(s): i for i, s in enumerate(self.running)}  # admission order
         queue = list(self.running)
@@ -255,8 +219,7 @@ class Scheduler:
             self.waiting.appendleft(seq)
 
     def _preempt_group(self, victim: Sequence, queue: list, out: SchedulerOutput) -> None:
-        """Preempt `victim` and its running siblings (a group is recomputed together), wherever they are
-        in this step's decode pass: still queued, or already given a slot (in out.decodes)."""
+        """Preempt `victim` and its running siblings, whether still queued or already in out.decodes."""
         for seq in victim.group:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # finished, or not admitted
@@ -272,9 +235,8 @@ class Scheduler:
             out.preempted.append(seq)
 
     def _schedule_admissions(self, out: SchedulerOutput) -> None:
-        """Admit waiting requests (FCFS) while they fit; not after a preemption (it would thrash). With
-        chunked prefill, first the running prefills, then the admitted ones take what the token budget
-        has left, a chunk each."""
+        """Admit waiting requests (FCFS) while they fit, not after a preemption (it would thrash); chunked
+        prefill: running prefills first, then admitted ones, a chunk each of the budget left."""
         bm, chunked = self.block_manager, self.enable_chunked_prefill
         budget = self.max_num_batched_tokens - len(out.decodes)
         if chunked:
@@ -300,9 +262,8 @@ class Scheduler:
                 budget -= tokens
 
     def _plan_admission(self, group: list[Sequence]) -> tuple[list, list, int, int]:
-        """How the waiting `group` would start: prefix-cache hits of its first sample, and for each other
-        sample None (it forks the first one: same tokens) or how many of the first one's blocks it
-        shares. Returns (hits, shares, blocks needed, tokens to compute)."""
+        """(prefix-cache hits of the first sample, per other sample None (forks it) or how many of its
+        blocks it shares, blocks needed, tokens to compute) if the waiting `group` were admitted now."""
         bm, bs, first = self.block_manager, self.block_size, group[0]
         if self.policy != "paged":  # static reservations: every sample reserves and computes its own
             need = sum(cdiv(self._reserve(s), bs) for s in group)
@@ -357,9 +318,8 @@ class Scheduler:
             self.running.append(seq)
 
     def mark_computed(self, seq: Sequence, end: int | None = None) -> None:
-        """After a step committed: `seq`'s tokens up to `end` (default: all it holds in the cache) are
-        computed. With prefix caching, the blocks this completed are named by their hash, for later
-        requests to find."""
+        """After a commit: `seq`'s tokens up to `end` (default: all) are computed; with prefix caching,
+        the blocks this filled are named by their hash."""
         end = seq.num_tokens if end is None else end
         start, seq.num_computed_tokens = seq.num_computed_tokens, end
         bs = self.block_size
@@ -367,27 +327,17 @@ class Scheduler:
             self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.block_hashes, start, end)
 
     def usage(self, out: SchedulerOutput | None = None) -> dict:
-        """KV memory (`BlockManager.usage`): slots holding real tokens vs allocated (reserved) vs in the
-        pool, and what sharing saves (see StepStats). A running sequence holds num_tokens - 1 tokens
-        between steps, num_tokens during its forward; during the forward of `out`, prompt slots no chunk
-        has reached yet (chunked prefill) hold nothing."""
+        """KV memory (`BlockManager.usage`), during the forward of `out` if given (prompt slots no chunk
+        has reached yet hold nothing)."""
         usage = self.block_manager.usage(sum(s.num_tokens for s in self.running))
         if out is not None and self.enable_chunked_prefill:
             usage["num_tokens"] -= unreached_slots(self.running, out)
         return usage
 
 
-# -----------------------------------------------------------------------------
-# chunked prefill
-
-
 def schedule_chunks(seqs: list[Sequence], budget: int, out: SchedulerOutput) -> int:
-    """Give each of `seqs` (admitted, still prefilling, oldest first) its next chunk while `budget` tokens
-    last; returns what is left. A sample that forks its first sample (same tokens) computes nothing: it
-    samples from the first's logits in the step its prefill completes. One that shares the first's blocks
-    reads them only once they are computed: the first comes before it, and a chunk goes to a later
-    sequence only when the earlier ones got all they need (this step counts: a forward writes every K/V
-    of a layer before any attention reads it)."""
+    """Give each of `seqs` (prefilling, oldest first) its next chunk while `budget` lasts; returns what is
+    left. A fork computes nothing; a sample sharing its parent's blocks runs once they are computed."""
     for seq in seqs:
         parent = seq.prefill_parent
         parent_end = None if parent is None else out.chunk_ends.get(parent.seq_id, parent.num_computed_tokens)
@@ -406,8 +356,7 @@ def schedule_chunks(seqs: list[Sequence], budget: int, out: SchedulerOutput) -> 
 
 
 def unreached_slots(running: list[Sequence], out: SchedulerOutput) -> int:
-    """Slots allocated for prompt tokens of the `running` sequences that no chunk has reached by the end
-    of the step `out` (a forked sample's are its first sample's)."""
+    """Prompt slots of `running` that no chunk has reached by the end of step `out` (forks: none)."""
     return sum(
         s.prefill_target - out.chunk_ends.get(s.seq_id, s.num_computed_tokens)
         for s in running
