@@ -198,19 +198,15 @@ class DecodeGraphs:
     """The captured decode forwards of one model on one KV cache, and their static input buffer."""
 
     def __init__(self, model, kv_cache, backend: str, max_batch_size: int, max_num_blocks_per_seq: int):
-        if model.device.type != "cuda" or kv_cache.key_caches[0].device != model.device:
-            raise InvalidArgumentError(
-                f"CUDA graphs need the model and KV cache on one CUDA device, got {model.device} and "
-                f"{kv_cache.key_caches[0].device}"
-            )
-        if backend not in ("torch", "cupy"):
-            raise InvalidArgumentError(f"CUDA graphs capture backend 'torch' or 'cupy', got {backend!r}")
+        # ModelRunner checked the device and backend (use_cuda_graphs=True on a CPU raises there)
+        assert model.device.type == "cuda" and kv_cache.key_caches[0].device == model.device
+        assert backend in ("torch", "cupy"), backend
         if kv_cache.num_slots >= 2**31:
             raise InvalidArgumentError(f"{kv_cache.num_slots} slots do not fit the int32 input buffer")
         self.model, self.kv_cache, self.backend = model, kv_cache, backend
         self.sizes = capture_sizes(max_batch_size)
         self.max_batch_size = self.sizes[-1]
-        self.width = as_int(max_num_blocks_per_seq, "max_num_blocks_per_seq", min=1)
+        self.width = max_num_blocks_per_seq
         self.device = model.device
         per_row = NUM_FIELDS + self.width
         self.buffer = torch.zeros(self.max_batch_size * per_row, dtype=torch.int32, device=self.device)
