@@ -12,15 +12,11 @@ from __future__ import annotations
 
 from collections import deque
 from itertools import islice
-from typing import TYPE_CHECKING
 
 from vllmini.block_manager import BlockManager
 from vllmini.checks import as_int, cdiv, one_of
 from vllmini.errors import EngineStateError, InvalidArgumentError
 from vllmini.sequence import SchedulerOutput, Sequence, SequenceStatus, as_group
-
-if TYPE_CHECKING:
-    from vllmini.engine import EngineConfig
 
 POLICIES = ("paged", "static", "oracle")
 
@@ -36,8 +32,8 @@ def check_policy(policy, enable_prefix_caching: bool = False) -> str:
 class Scheduler:
     """Queues of waiting and running sequences over one `BlockManager`."""
 
-    def __init__(self, config: EngineConfig, num_blocks: int):
-        """`config`: a checked EngineConfig with max_model_len set; `num_blocks`: the pool."""
+    def __init__(self, config, num_blocks: int):
+        """`config`: a checked EngineConfig (vllmini.engine), max_model_len set; `num_blocks`: the pool."""
         if config.max_model_len is None:
             raise InvalidArgumentError("the scheduler needs config.max_model_len, got None")
         num_blocks, block_size = as_int(num_blocks, "num_blocks", min=1), config.block_size
