@@ -28,7 +28,7 @@ _NAMES = {
 _EXPORTS = {name: module for module, names in _NAMES.items() for name in names.split()}
 _SUBMODULES = set(
     "errors checks allocator block_table block_manager prefix_cache kv_cache attention cuda_kernels "
-    "emulator model sequence scheduler sampling outputs model_runner engine course".split()
+    "emulator model models sequence scheduler sampling outputs model_runner engine course".split()
 )
 
 __all__ = sorted(_EXPORTS)

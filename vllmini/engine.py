@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 import torch
 
+from vllmini import models
 from vllmini.attention import BACKENDS
 from vllmini.checks import as_block_size, as_bool, as_fraction, as_int, one_of
 from vllmini.errors import EngineStateError, InvalidArgumentError, InvalidTypeError
@@ -169,7 +170,7 @@ class LLMEngine:
         batched = self.scheduler.max_num_batched_tokens
         self.config = self.runner.config = replace(config, max_num_batched_tokens=batched)
         self.tokenizer = model.tokenizer
-        self.inputs = InputProcessor(self.tokenizer, model.config.vocab_size)
+        self.inputs = InputProcessor(self.tokenizer, model.config.vocab_size, model.chat_template)
         self.outputs = OutputProcessor(self.tokenizer, set(model.eos_token_ids))
         self.stats: list[StepStats] = []
         self.num_forwards = 0  # forwards of committed steps (one per step)
@@ -195,9 +196,15 @@ class LLMEngine:
         config: EngineConfig | None = None,
         **engine_kwargs,
     ) -> LLMEngine:
-        """Load a Llama checkpoint directory (or transformers model) and build an engine on it."""
+        """Load a Llama checkpoint directory (or transformers model, or a name vllmini.models knows, e.g.
+        "SmolLM2-135M-Instruct": fetched the first time) and build an engine on it."""
         config = make_config(config, engine_kwargs)  # bad options fail before the weights load
+        path_or_model = models.resolve(path_or_model)
         return cls(LlamaModel.from_pretrained(path_or_model, dtype=dtype, device=device), config)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """A chat ([{"role": "user", "content": "..."}, ...]) as prompt text, in the model's chat template."""
+        return self.inputs.apply_chat_template(messages, add_generation_prompt)
 
     def _new_request(self, prompt, params: SamplingParams | None, rid: int) -> list[Sequence]:
         """A checked, tokenized request (its n samples) that fits; nothing is queued yet."""

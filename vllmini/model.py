@@ -248,6 +248,7 @@ class LlamaModel(nn.Module):
         # (hd/2,) float32: not a buffer, so model.to(bfloat16) cannot round it
         self.inv_freq = rope_inv_freq(config)
         self.tokenizer = None  # a tokenizers.Tokenizer when the checkpoint has tokenizer.json
+        self.chat_template: str | None = None  # Jinja text, when the checkpoint has one
         eos = config.eos_token_id
         self.eos_token_ids: tuple[int, ...] = tuple(
             eos if isinstance(eos, list) else [] if eos is None else [eos]
@@ -343,6 +344,7 @@ class LlamaModel(nn.Module):
         device = device if device is not None else ckpt.device
         load_hf_state_dict(model, state, dtype, torch.device(device or "cpu"), where)
         model.tokenizer = ckpt.tokenizer
+        model.chat_template = read_chat_template(path_or_hf_model)
         eos = ckpt.generation.get("eos_token_id")
         if eos is not None:
             model.eos_token_ids = tuple(eos if isinstance(eos, list) else [eos])
@@ -411,6 +413,20 @@ def read_checkpoint(path_or_hf_model) -> Checkpoint:
             f"got {type(path_or_hf_model).__name__}"
         )
     return Checkpoint(config, state, tokenizer, gen, where, device)
+
+
+def read_chat_template(path_or_hf_model) -> str | None:
+    """A checkpoint directory's chat template (Jinja text): chat_template.jinja, else tokenizer_config.json's
+    "chat_template"; None without one (or for an in-memory model)."""
+    if not isinstance(path_or_hf_model, (str, os.PathLike)):
+        return None
+    root = Path(path_or_hf_model)
+    if (root / "chat_template.jinja").is_file():
+        return read_checkpoint_file(root / "chat_template.jinja", lambda f: f.read_text())
+    if (root / "tokenizer_config.json").is_file():
+        template = read_checkpoint_file(root / "tokenizer_config.json", read_json).get("chat_template")
+        return template if isinstance(template, str) else None
+    return None
 
 
 def load_safetensors(root: Path) -> dict[str, torch.Tensor]:

