@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from vllmini.engine import LLMEngine
+from vllmini.engine import EngineConfig, LLMEngine
 from vllmini.errors import EngineStateError, InvalidArgumentError
 from vllmini.model_runner import prepare_inputs
 from vllmini.sampling import SamplingParams
@@ -215,9 +215,10 @@ def test_scheduler_chunks_never_lose_a_token_or_exceed_the_budget(seed):
     exactly once per admission, and a step never schedules more than the budget."""
     rng = random.Random(seed)
     budget, bs = rng.randint(1, 9), rng.choice([1, 2, 4])
-    sched = Scheduler(
-        40, bs, 40, watermark=0.0, max_num_seqs=4, max_num_batched_tokens=budget, enable_chunked_prefill=True
+    config = EngineConfig(
+        block_size=bs, max_model_len=40, watermark=0.0, max_num_seqs=4, max_num_batched_tokens=budget
     )
+    sched = Scheduler(config, 40)
     seqs = [Sequence(i, [1] * rng.randint(1, 25), rng.randint(1, 8), seed=0) for i in range(10)]
     for seq in seqs:
         sched.add(seq)

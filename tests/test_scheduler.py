@@ -7,10 +7,18 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from vllmini.engine import EngineConfig
 from vllmini.errors import EngineStateError, InvalidArgumentError, InvalidTypeError
 from vllmini.model_runner import prepare_inputs
 from vllmini.scheduler import Scheduler
 from vllmini.sequence import Sequence, SequenceStatus
+
+
+def make_scheduler(num_blocks, block_size, max_model_len, **options):
+    """A Scheduler over `num_blocks` blocks; `options`: EngineConfig's (chunked prefill off unless asked)."""
+    options.setdefault("enable_chunked_prefill", False)
+    return Scheduler(EngineConfig(block_size=block_size, max_model_len=max_model_len, **options), num_blocks)
+
 
 # -----------------------------------------------------------------------------
 # no request lost or duplicated, whatever the pool
@@ -27,9 +35,11 @@ def test_scheduler_never_loses_or_duplicates(num_blocks, block_size, policy, req
     max_model_len = 24
     if policy == "static" and -(-max_model_len // block_size) > num_blocks:
         with pytest.raises(ValueError, match="static"):
-            Scheduler(num_blocks, block_size, max_model_len, policy=policy, watermark=0.0)
+            make_scheduler(num_blocks, block_size, max_model_len, policy=policy, watermark=0.0)
         return
-    sched = Scheduler(num_blocks, block_size, max_model_len, policy=policy, watermark=0.0, max_num_seqs=5)
+    sched = make_scheduler(
+        num_blocks, block_size, max_model_len, policy=policy, watermark=0.0, max_num_seqs=5
+    )
     rng = random.Random(seed)
     seqs = []
     for i, (n_prompt, n_out) in enumerate(requests):
@@ -100,7 +110,7 @@ def batch(out):
     seed=st.integers(0, 1000),
 )
 def test_restore_undoes_a_step_and_the_retry_is_the_same_step(num_blocks, block_size, policy, requests, seed):
-    sched = Scheduler(num_blocks, block_size, 24, policy=policy, watermark=0.0, max_num_seqs=4)
+    sched = make_scheduler(num_blocks, block_size, 24, policy=policy, watermark=0.0, max_num_seqs=4)
     rng = random.Random(seed)
     for i, (n_prompt, n_out) in enumerate(requests):
         if -(-(n_prompt + n_out) // block_size) <= num_blocks:
@@ -128,7 +138,7 @@ def test_restore_undoes_a_step_and_the_retry_is_the_same_step(num_blocks, block_
 
 
 def test_a_stale_sequence_is_recomputed_unless_preempted_anyway():
-    sched = Scheduler(8, 2, 24, watermark=0.0)
+    sched = make_scheduler(8, 2, 24, watermark=0.0)
     a, b = Sequence(0, [1] * 3, 5, seed=0), Sequence(1, [1] * 3, 5, seed=0)
     sched.add(a)
     sched.add(b)
@@ -147,7 +157,7 @@ def test_a_stale_sequence_is_recomputed_unless_preempted_anyway():
 
 
 def test_add_refuses_a_duplicate_id_or_a_used_sequence():
-    sched = Scheduler(8, 2, 24)
+    sched = make_scheduler(8, 2, 24)
     seq = Sequence(0, [1, 2], 3, seed=0)
     sched.add(seq)
     with pytest.raises(InvalidArgumentError, match="seq_id 0 is already queued or running"):
@@ -168,7 +178,7 @@ def test_add_refuses_a_duplicate_id_or_a_used_sequence():
 
 
 def test_abort_waiting_and_running():
-    sched = Scheduler(4, 2, 24, watermark=0.0)
+    sched = make_scheduler(4, 2, 24, watermark=0.0)
     seqs = [Sequence(i, [1] * 3, 4, seed=0) for i in range(3)]
     for s in seqs:
         sched.add(s)
@@ -198,7 +208,9 @@ def test_abort_waiting_and_running():
 def test_scheduler_argument_checks(kwargs, error, message):
     args = dict(num_blocks=8, block_size=2, max_model_len=24) | kwargs
     with pytest.raises(error, match=message):
-        Scheduler(args.pop("num_blocks"), args.pop("block_size"), args.pop("max_model_len"), **args)
+        make_scheduler(args.pop("num_blocks"), args.pop("block_size"), args.pop("max_model_len"), **args)
+    with pytest.raises(InvalidArgumentError, match="needs config.max_model_len"):
+        Scheduler(EngineConfig(), 8)
     with pytest.raises(InvalidArgumentError, match="max_tokens must be >= 1"):
         Sequence(0, [1], 0, seed=0)
     with pytest.raises(InvalidArgumentError, match="empty prompt"):

@@ -1,8 +1,6 @@
-"""vllmini: a PagedAttention KV-cache engine built from scratch.
+"""vllmini: a PagedAttention KV-cache engine built from scratch, one module per notebook.
 
-Data flows one way: allocator -> block table -> KV cache -> attention (torch, then CUDA kernels)
--> model -> scheduler -> engine. `import vllmini` stays light: names load on first use, and
-jupyter, ipywidgets, matplotlib and cupy are imported only by the pieces that draw or launch kernels.
+`import vllmini` stays light: names load on first use (the only module that re-exports).
 """
 
 from importlib import import_module

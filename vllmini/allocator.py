@@ -1,10 +1,7 @@
-"""The block allocator: a pool of physical KV-cache block ids with reference counts.
+"""The block allocator (notebook 02): physical KV-cache block ids with reference counts, in O(1).
 
-It knows nothing about tokens or tensors: it hands out block ids and takes them back, in O(1). The free
-list is lazy: ids never handed out are implicit (every id >= a high-water mark) and returned ids sit on a
-stack that is used first, so a pool of 10**12 blocks costs nothing until used. A reference count per block
-lets several sequences share it (after a fork) until the last owner lets go. Every method checks its
-arguments before changing anything, so a failed call leaves the allocator exactly as it was.
+The free list is lazy: ids never handed out are implicit (>= a high-water mark), returned ids sit on a
+stack used first. A failed call leaves the allocator exactly as it was.
 """
 
 from collections.abc import Sequence
@@ -22,7 +19,6 @@ class BlockAllocator:
         self._free: list[int] = []  # returned ids, a stack: the last freed is reused first (any order works)
         self._ref_counts: dict[int, int] = {}  # allocated block -> owners (>= 1); absent = free
 
-    # read-only views
     @property
     def num_free_blocks(self) -> int:
         return len(self._free) + self.num_blocks - self._next_unused
@@ -40,7 +36,6 @@ class BlockAllocator:
         """How many owners hold `block_id` (0 when it is free)."""
         return self._ref_counts.get(self._check_id(block_id), 0)
 
-    # state changes
     def allocate(self) -> int:
         """Take the next free block; it starts with ref_count 1."""
         if self._free:
@@ -71,7 +66,6 @@ class BlockAllocator:
             self._ref_counts[block_id] += 1
         return ids
 
-    # undo
     def snapshot(self) -> tuple:
         """The free list and reference counts, for `restore` (e.g. undoing a failed engine step)."""
         return self._next_unused, list(self._free), dict(self._ref_counts)
@@ -81,7 +75,6 @@ class BlockAllocator:
         self._next_unused, free, ref_counts = snapshot
         self._free, self._ref_counts = list(free), dict(ref_counts)
 
-    # checks
     def _check_id(self, block_id) -> int:
         block_id = as_int(block_id, "block_id")
         if not 0 <= block_id < self.num_blocks:

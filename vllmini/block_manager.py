@@ -1,18 +1,9 @@
-"""Every sequence's page table over one shared block pool: admission, growth, sharing, undo.
+"""Every sequence's page table over one shared block pool (notebook 03; sharing: notebook 08).
 
-A `BlockManager` keeps one `BlockTable` per sequence over a shared `BlockAllocator`, answers "does this
-request fit?", and builds the padded `block_tables` / `seq_lens` tensors that paged attention reads
-(vLLM's names; older vLLM called `seq_lens` `context_lens`; vLLM 0.x: `vllm/core/block_manager.py`).
-
-Forked sequences share blocks (reference counts); a table writing into a shared, partly filled last block
-first copies it (copy-on-write: `BlockTable.append_tokens` records (src_block, dst_block) in its
-`pending_copies`). Freeing the sequence that owns dst drops the copy; `free` keeps a src block out of the
-pool (pinned) until `take_pending_copies()` hands the copy out.
-
-With `enable_prefix_caching` it also owns a `PrefixCache`: a new sequence can start on shared blocks
-(`allocate(..., shared=blocks)`, e.g. its longest cached prefix), full computed blocks are named by their
-hash (`cache_full_blocks`), and a named block whose last owner leaves stays cached, counted as free
-(`num_cached_free_blocks` of `num_free_blocks`), until a block is needed and none is plainly free.
+A `BlockManager` keeps one `BlockTable` per sequence over a shared `BlockAllocator`: admission with a
+watermark, growth, forks that share blocks (copy-on-write copies handed out by `take_pending_copies`), a
+`PrefixCache` when enabled, undo (`snapshot`/`restore`), and the padded `block_tables` / `seq_lens`
+tensors paged attention reads (vLLM's names).
 """
 
 from __future__ import annotations
@@ -51,7 +42,7 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks a new token can get: plainly free ones plus cached ones nobody holds (evicted on demand)."""
+        """Plainly free blocks plus cached ones nobody holds (evicted on demand)."""
         return self.allocator.num_free_blocks + self.num_cached_free_blocks
 
     @property
@@ -82,9 +73,6 @@ class BlockManager:
     def slot_mapping(self, seq_id, start: int = 0, end: int | None = None) -> list[int]:
         return self.block_table(seq_id).slot_mapping(start, end)
 
-    # ----------------------------------------------------------------------------------------------
-    # admission and growth
-
     def _check_shared(self, num_tokens: int, shared) -> list[int]:
         shared = [self.allocator.check_allocated(b, "share") for b in shared]
         if len(set(shared)) != len(shared):
@@ -97,8 +85,7 @@ class BlockManager:
         return shared
 
     def blocks_needed(self, num_tokens: int, shared=()) -> int:
-        """Free blocks a new sequence of `num_tokens` takes when it starts on the full blocks `shared`:
-        its own blocks, plus the shared ones that are cached but free now (they stop being free)."""
+        """Free blocks a new sequence of `num_tokens` starting on the full blocks `shared` takes."""
         shared = self._check_shared(as_int(num_tokens, "num_tokens", min=0), shared)
         cache = self.prefix_cache
         taken = sum(b in cache.evictable for b in shared) if cache is not None else 0
@@ -114,9 +101,8 @@ class BlockManager:
             self.allocator.free(self.prefix_cache.evict())
 
     def allocate(self, seq_id: Hashable, num_tokens: int, shared=()) -> list[int]:
-        """Start a sequence holding `num_tokens` tokens; returns their slots. `shared`: physical blocks
-        that already hold its first len(shared) * block_size tokens (a cached prefix, or a sibling's
-        blocks); it shares them (reference counts) and gets its own blocks for the rest."""
+        """Start a sequence of `num_tokens` tokens on the full blocks `shared` (a cached prefix, a
+        sibling's) and its own for the rest; returns their slots."""
         if seq_id in self._tables:
             raise VllminiError(f"seq_id {seq_id!r} already exists")
         if not self.can_allocate(num_tokens, shared):  # the watermark rule has one home
@@ -154,13 +140,9 @@ class BlockManager:
         self._make_room(needed)
         return table.append_tokens(num_tokens)
 
-    # ----------------------------------------------------------------------------------------------
-    # prefix caching
-
     def cached_prefix(self, token_ids: list[int], hashes: list[bytes]) -> list[int]:
-        """The cached blocks a new sequence of `token_ids` can start on (none without prefix caching).
-        At most (len - 1) // block_size blocks: its last token is always computed, for its logits.
-        `hashes` is the sequence's hash chain, extended in place."""
+        """The cached blocks a new sequence can start on (its last token is always computed); `hashes`,
+        its hash chain, is extended in place."""
         if self.prefix_cache is None:
             return []
         num_blocks = (len(token_ids) - 1) // self.block_size
@@ -171,8 +153,8 @@ class BlockManager:
     def cache_full_blocks(
         self, seq_id, token_ids: list[int], hashes: list[bytes], start: int, end: int
     ) -> int:
-        """Name the blocks of `seq_id` that tokens [start, end) (all computed, committed) completed, by their
-        hash chain (`hashes` is extended in place). Returns how many new cache entries were made."""
+        """Name by their hash the blocks of `seq_id` that computed tokens [start, end) filled; returns how
+        many new cache entries were made."""
         if self.prefix_cache is None:
             return 0
         table, bs = self.block_table(seq_id), self.block_size
@@ -203,9 +185,8 @@ class BlockManager:
         self._tables[child_id] = parent.fork()
 
     def free(self, seq_id) -> None:
-        """Finish `seq_id`: its blocks go back to the pool (shared ones once their last owner leaves). A
-        block that another sequence still has to copy from (a pending copy-on-write) stays pinned until
-        `take_pending_copies()`, so no new owner can overwrite it before the copy is made."""
+        """Finish `seq_id`: its blocks go back to the pool; one still to be copied from stays pinned until
+        `take_pending_copies()`."""
         table = self.block_table(seq_id)
         del self._tables[seq_id]
         needed = {src for t in self._tables.values() for src, _ in t.pending_copies}
@@ -218,8 +199,7 @@ class BlockManager:
             self.allocator.free(block_id)
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
-        """Collect and clear every sequence's copy-on-write jobs, as (src_block, dst_block) pairs. Copy
-        them before allocating again: sources pinned for them go back to the pool now."""
+        """Collect and clear every copy-on-write job (src_block, dst_block); copy them before allocating."""
         pairs = []
         for table in self._tables.values():
             pairs.extend(table.pending_copies)
@@ -229,12 +209,8 @@ class BlockManager:
         self._pinned.clear()
         return pairs
 
-    # ----------------------------------------------------------------------------------------------
-    # undo
-
     def snapshot(self) -> tuple:
-        """The whole state (allocator, tables, pins), for `restore`: undoes a batch of changes that
-        failed halfway, e.g. a scheduler step whose forward raised. Costs O(num_blocks)."""
+        """The whole state, for `restore` (e.g. a step whose forward raised). O(num_blocks)."""
         allocator = self.allocator.snapshot()
         tables = {s: (t, t.block_ids, t.num_tokens, list(t.pending_copies)) for s, t in self._tables.items()}
         cache = self.prefix_cache.snapshot() if self.prefix_cache is not None else None
@@ -254,17 +230,10 @@ class BlockManager:
             for block_id in self.prefix_cache.restore(cache):
                 self.allocator.free(block_id)
 
-    # ----------------------------------------------------------------------------------------------
-    # what attention reads
-
     def build_block_tables(
         self, seq_ids: Iterable, device: torch.device | str | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The padded page tables and lengths of `seq_ids`, as paged attention consumes them.
-
-        block_tables: int32 [num_seqs, max_num_blocks_per_seq], -1 past each sequence's last block
-        seq_lens:     int32 [num_seqs]
-        """
+        """block_tables int32 [num_seqs, max_num_blocks_per_seq] (-1: none), seq_lens int32 [num_seqs]"""
         import torch
 
         tables = [self.block_table(s) for s in seq_ids]
@@ -275,8 +244,7 @@ class BlockManager:
         return block_tables, seq_lens
 
     def utilization(self) -> dict:
-        """How well the pool is used (`pool_utilization`). used_blocks are held by sequences (or pinned
-        for a copy); free_blocks include the cached ones nobody holds."""
+        """How well the pool is used (`pool_utilization`); free_blocks include cached ones nobody holds."""
         tables = ((t.block_ids, t.num_tokens) for t in self._tables.values())
         used = self.allocator.num_used_blocks - self.num_cached_free_blocks
         return pool_utilization(tables, self.block_size, self.num_blocks, used)
@@ -287,9 +255,7 @@ class BlockManager:
         return len(self._pinned)
 
     def sharing(self) -> dict:
-        """What sharing saves right now: logical_blocks (what the sequences would hold without sharing,
-        the sum of their tables), shared_blocks (physical blocks held by more than one sequence) and
-        cached_blocks (free blocks that still hold a cached prefix, evicted only on demand)."""
+        """What sharing saves now: logical_blocks (held without sharing), shared_blocks, cached_blocks."""
         owners: dict[int, int] = {}  # physical block -> sequences holding it
         for table in self._tables.values():
             for block_id in table.block_ids:
@@ -301,10 +267,8 @@ class BlockManager:
         }
 
     def usage(self, num_tokens: int) -> dict:
-        """`utilization()` and `sharing()` in one dict, cheap enough for every step (see StepStats):
-        O(sequences), where `utilization` walks every block (7 ms a step at 16k blocks) and counts a static
-        reservation as tokens. `num_tokens`: what the sequences hold, as the caller counts them; the tables
-        are walked only when blocks are shared, to count shared blocks and their tokens once."""
+        """`utilization()` and `sharing()` in O(sequences), for every step; `num_tokens`: what the caller
+        counts. The tables are walked only when blocks are shared."""
         used = self.num_blocks - self.num_free_blocks
         logical, shared = sum(t.num_blocks for t in self._tables.values()), 0
         if logical > used - self.num_pinned_blocks:  # some physical block has several owners

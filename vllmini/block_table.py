@@ -1,15 +1,9 @@
-"""Page tables: where each sequence's tokens live in the paged KV cache.
-
-A `BlockTable` is one sequence's page table. Its logical block i (tokens i*block_size ..
-(i+1)*block_size - 1) lives in physical block `block_ids[i]`, so token t is stored at slot
+"""One sequence's page table (notebook 03): logical block i lives in physical block `block_ids[i]`, so
 
     slot(t) = block_ids[t // block_size] * block_size + t % block_size
 
-in a cache laid out as [num_blocks, block_size, ...]. Appending tokens allocates a new block only when
-the last one is full. Forked tables share blocks (reference counts). Writing into a shared, partly filled
-last block would clobber the other owner's tokens, so `append_tokens` first gives the sequence a private
-copy (copy-on-write) and records (src_block, dst_block) in `pending_copies` for the KV-cache owner.
-One table per sequence over a shared pool is `BlockManager`'s job (vllmini/block_manager.py).
+Forked tables share blocks (reference counts); writing into a shared, partly filled last block first
+copies it (copy-on-write), recorded as (src_block, dst_block) in `pending_copies`.
 """
 
 from __future__ import annotations
@@ -22,8 +16,7 @@ from vllmini.errors import InvalidIndexError, InvalidTypeError, OutOfBlocksError
 
 
 def block_fill(tables: Iterable[tuple[Sequence[int], int]], block_size: int) -> dict[int, int]:
-    """Tokens held in each physical block, for sequences given as (block_ids, num_tokens) pairs; a
-    block shared after a fork counts once. The one home of the block-fill figures."""
+    """Tokens held in each physical block of sequences given as (block_ids, num_tokens); shared: once."""
     filled: dict[int, int] = {}  # physical block -> tokens in it
     for block_ids, n in tables:
         for i, block_id in enumerate(block_ids):
@@ -34,8 +27,7 @@ def block_fill(tables: Iterable[tuple[Sequence[int], int]], block_size: int) -> 
 def pool_utilization(tables: Iterable[tuple[Sequence[int], int]], block_size: int, num_blocks: int,
                      used_blocks: int) -> dict:  # fmt: skip
     """How well a pool of `num_blocks`, `used_blocks` of them held, is used by sequences given as
-    (block_ids, num_tokens) pairs; a block shared after a fork counts once. The one home of these figures
-    (BlockManager.utilization, the pictures)."""
+    (block_ids, num_tokens) pairs (BlockManager.utilization, the pictures)."""
     num_tokens = sum(block_fill(tables, block_size).values())
     allocated_slots, pool_slots = used_blocks * block_size, num_blocks * block_size
     return {
@@ -67,8 +59,7 @@ class BlockTable:
         return list(self._block_ids)
 
     def adopt(self, block_ids: Sequence[int], num_tokens: int) -> None:
-        """Make the table hold `block_ids` (references the caller already took) with `num_tokens` tokens:
-        a prefix-cache hit starts a table on shared blocks, and an undone step puts a table back."""
+        """Hold `block_ids` (references the caller took) with `num_tokens` tokens (a cache hit, an undo)."""
         block_ids = [int(b) for b in block_ids]
         num_tokens = as_int(num_tokens, "num_tokens", min=0)
         needed = cdiv(num_tokens, self.block_size)
@@ -145,8 +136,7 @@ class BlockTable:
         return child
 
     def free(self, release=None) -> None:
-        """Give every block back (last logical block first) and empty the table. `release(block_id)`,
-        if given, may keep a block instead (returns True), e.g. a prefix cache."""
+        """Give every block back, last first, unless `release(block_id)` keeps it (returns True)."""
         for block_id in reversed(self._block_ids):
             if release is None or not release(block_id):
                 self.allocator.free(block_id)

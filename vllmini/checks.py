@@ -1,8 +1,7 @@
-"""The argument checks every public entry point shares, and the one home of small shared formulas.
+"""The argument checks every public entry point shares, and small shared formulas (`cdiv`).
 
-Each check returns the cleaned value (a Python int, a float, a tensor) or raises a VllminiError subclass
-whose message names the argument, the bad value and what was expected. numpy and torch integer scalars
-count as ints (as `operator.index` says); bools (Python, numpy or torch) and floats do not.
+Each check returns the cleaned value or raises a VllminiError naming the argument, the bad value and what
+was expected. numpy and torch integer scalars count as ints; bools and floats do not.
 """
 
 from __future__ import annotations
@@ -82,8 +81,7 @@ def as_float(
 
 
 def as_fraction(value, name: str, interval: str) -> float:
-    """`value` as a float in `interval`, "(0, 1]" (a share that must hold something) or "[0, 1)" (a share
-    that must leave something)."""
+    """`value` as a float in `interval`: "(0, 1]" or "[0, 1)"."""
     value = as_float(value, name)
     inside = 0.0 < value <= 1.0 if interval == "(0, 1]" else 0.0 <= value < 1.0
     if not inside:
@@ -108,9 +106,8 @@ def check_tensor(
     shape: tuple | None = None,
     shape_desc: str | None = None,
 ):
-    """`t` if it is a torch.Tensor with the given ndim, one of `dtypes`, on `device`, and of `shape`
-    (None entries match any size). `shape_desc` names the expected layout in messages, e.g.
-    "[num_seqs, num_heads, head_size]"."""
+    """`t` if it is a torch.Tensor of `ndim`, one of `dtypes`, on `device`, of `shape` (None: any size);
+    `shape_desc` names the layout in messages, e.g. "[num_seqs, num_heads, head_size]"."""
     import torch
 
     desc = f" {shape_desc}" if shape_desc else ""

@@ -1,25 +1,11 @@
-"""The engine: requests in, tokens out, many requests sharing one paged KV cache.
+"""The engine (notebook 06): requests in, tokens out, many requests sharing one paged KV cache.
 
     engine = LLMEngine.from_pretrained("path/to/llama", num_blocks=512)
     outputs = engine.generate(["Hello", "The capital of France is"], SamplingParams(max_tokens=32))
 
-Each `step()` asks the scheduler for a batch (vllmini.scheduler: running sequences decode, waiting
-prompts are admitted while blocks allow), runs ONE forward over all of it (vllmini.model_runner), samples
-one token per sequence from that sequence's own seeded generator (vllmini.sampling), and retires the
-finished ones. `stats` keeps one `StepStats` per step (vllmini.outputs).
-
-A step is all-or-nothing. An exception or Ctrl-C before the step commits (in scheduling, the forward or
-sampling) rolls it back: allocations, appends and preemptions undone, random generators restored, so the
-next `step()` does the same work again and the outputs equal an uninterrupted run. Ctrl-C during the
-commit (appending tokens, finishing requests) waits until the commit is done. A request whose sampling
-fails finishes alone with finish_reason "error"; `abort_request` stops one request.
-
-Sharing pages: the n samples of `SamplingParams(n=...)` share their prompt's pages until each copies the
-block it writes into (copy-on-write: one indexed copy per cache tensor, before the step's forward);
-`enable_prefix_caching` reuses the cached K/V of a prompt prefix computed before; `sharing_summary(stats)`
-sums up what sharing saved. `enable_chunked_prefill` caps every step at max_num_batched_tokens
-(vllmini.scheduler). On a GPU, decode-only steps replay CUDA graphs (vllmini.model_runner), and a
-step syncs twice: to read the kernels' guard record, and to bring the sampled tokens to the host.
+Each `step()` schedules a batch, runs ONE forward over it, samples one token per sequence from its own
+seeded generator, and retires the finished. A step is all-or-nothing: an exception or Ctrl-C before it
+commits rolls it back (allocations, preemptions, generators), so the outputs equal an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -44,17 +30,14 @@ from vllmini.sampling import SamplingParams, sample_batch, sample_seed, token_lo
 from vllmini.scheduler import Scheduler, check_policy
 from vllmini.sequence import SchedulerOutput, Sequence, SequenceStatus
 
-# -----------------------------------------------------------------------------
-# the options
-
 
 @dataclass
 class EngineConfig:
     """Every engine option, checked once, in one place (as nano-vllm's `Config`)."""
 
     block_size: int = 16  # tokens per KV block
-    # what sizes the KV pool, at most one of: a block count, a byte budget, a share of free GPU memory. None
-    # of them: 0.9 of free memory on a GPU; on a CPU room for 8 sequences of max_model_len (at most 1 GiB)
+    # the KV pool's size, at most one of these three; none: 0.9 of free GPU memory, or on a CPU room for 8
+    # sequences of max_model_len (at most 1 GiB)
     num_blocks: int | None = None
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float | None = None
@@ -63,20 +46,16 @@ class EngineConfig:
     policy: str = "paged"  # "paged", "static" or "oracle" (vllmini.scheduler)
     watermark: float = 0.01  # share of the pool new requests must leave free, so running ones can grow
     max_num_seqs: int = 256  # the most sequences in one batch (a request with n samples counts n)
-    # the most tokens in one forward; None = max(max_model_len, 2048). Without chunked prefill it must be
-    # >= max_model_len (a prompt is prefilled in one forward); with it, anything >= 1
+    # the most tokens in one forward; None = max(max_model_len, 2048); >= max_model_len without chunking
     max_num_batched_tokens: int | None = None
     seed: int = 0  # derives the seed of every request that has none
-    # reuse the KV blocks of a prompt prefix computed before (policy "paged" only). Off by default: with
-    # nothing shared it cost 2-4% tokens/s on an H200 (benchmarks/RESULTS.md)
+    # reuse cached KV blocks of a prompt prefix (policy "paged"); off: 2-4% tokens/s on an H200 unshared
     enable_prefix_caching: bool = False
-    # split prompts over several steps so a step never exceeds max_num_batched_tokens: running decodes go
-    # first, prefills take chunks of what is left (vLLM's chunked prefill; Agrawal et al., Sarathi, 2023).
-    # On by default: it cost no throughput on an H200 (benchmarks/RESULTS.md)
+    # split prompts into chunks so no step exceeds max_num_batched_tokens (Sarathi, 2023); on: it cost no
+    # throughput on an H200 (benchmarks/RESULTS.md)
     enable_chunked_prefill: bool = True
-    # replay decode-only steps from CUDA graphs captured at start-up, one per padded batch size 1, 2, 4, 8,
-    # 16, 24, ... max_cuda_graph_batch_size (vllmini.model_runner); prefill/mixed steps and larger batches
-    # run eagerly. None: on for a CUDA model with backend "cupy" or "torch", off on the CPU (True raises)
+    # replay decode-only steps from CUDA graphs (vllmini.model_runner). None: on for a CUDA model with
+    # backend "cupy" or "torch", off on the CPU (where True raises)
     use_cuda_graphs: bool | None = None
     max_cuda_graph_batch_size: int = 256  # the largest decode batch replayed from a graph (at most 512)
 
@@ -134,14 +113,9 @@ def make_config(config: EngineConfig | None, kwargs: dict) -> EngineConfig:
     return replace(config, **kwargs)  # runs __post_init__: every field checked again
 
 
-# -----------------------------------------------------------------------------
-# Ctrl-C at a safe moment: a step is all-or-nothing, so a KeyboardInterrupt may roll a step back but must
-# not land half-way through its commit
-
-
 class DeferSigint:
-    """Within `with`: Ctrl-C raises KeyboardInterrupt as usual until `hold()`; after that it is only
-    recorded in `.interrupted`, for the caller to act on once the critical part is done."""
+    """Within `with`: Ctrl-C raises KeyboardInterrupt until `hold()`, then is only recorded in `.interrupted`
+    (a step's commit must not stop half-way)."""
 
     def __init__(self, hold: bool = False):
         self.holding, self.interrupted = hold, False
@@ -171,15 +145,9 @@ class DeferSigint:
             signal.signal(signal.SIGINT, self._previous)
 
 
-# -----------------------------------------------------------------------------
-# the engine
-
-
 class LLMEngine:
-    """Continuous batching over a paged KV cache (policy "paged"), or a static baseline.
-
-    LLMEngine(model, config=None, **kwargs): the options are EngineConfig's fields, given as a config,
-    as keyword arguments, or both (keywords win)."""
+    """Continuous batching over a paged KV cache. Options: EngineConfig's fields, as a config, keyword
+    arguments, or both (keywords win)."""
 
     def __init__(self, model, config: EngineConfig | None = None, **kwargs):
         config = make_config(config, kwargs)
@@ -195,16 +163,9 @@ class LLMEngine:
         config = replace(config, max_model_len=max_model_len)
         self.model, self.policy, self.max_model_len = model, config.policy, max_model_len
         self.device, self.seed = model.device, config.seed
-        self.runner = runner = ModelRunner(model, config)  # the KV cache, the attention backend, the graphs
+        self.runner = runner = ModelRunner(model, config)
         self.kv_cache, self.backend, self.graphs = runner.kv_cache, runner.backend, runner.graphs
-        options = (
-            "policy watermark max_num_seqs max_num_batched_tokens enable_prefix_caching "
-            "enable_chunked_prefill"
-        )
-        self.scheduler = Scheduler(
-            runner.kv_cache.num_blocks, config.block_size, max_model_len,
-            **{name: getattr(config, name) for name in options.split()},
-        )  # fmt: skip
+        self.scheduler = Scheduler(config, runner.kv_cache.num_blocks)
         # the options as run: max_num_batched_tokens as the scheduler resolved it
         batched = self.scheduler.max_num_batched_tokens
         self.config = self.runner.config = replace(config, max_num_batched_tokens=batched)
@@ -245,15 +206,11 @@ class LLMEngine:
         """A chat ([{"role": "user", "content": "..."}, ...]) as prompt text, in the model's chat template."""
         return self.inputs.apply_chat_template(messages, add_generation_prompt)
 
-    # -------------------------------------------------------------------------
-    # requests
-
     def _new_request(self, prompt, params: SamplingParams | None, rid: int) -> list[Sequence]:
-        """A checked, tokenized request (its n samples) that fits the engine; nothing is queued yet."""
+        """A checked, tokenized request (its n samples) that fits; nothing is queued yet."""
         params = self.inputs.check_params(params)
         ids = self.inputs.encode(prompt)
-        # no seed given: derive one from the engine's seed and the request number (string seeds are hashed
-        # with SHA-512, so nearby numbers give unrelated streams)
+        # no seed: derived from the engine's seed and the request number (hashed: unrelated streams)
         seed = params.seed if params.seed is not None else random.Random(f"{self.seed}:{rid}").getrandbits(63)
         seqs = [
             Sequence(
@@ -272,16 +229,15 @@ class LLMEngine:
         return seqs
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
-        """Queue a request; returns its id. InvalidArgumentError (a ValueError) if it could never run
-        (too long for max_model_len, or for the whole KV pool)."""
+        """Queue a request; returns its id. InvalidArgumentError if it could never run."""
         seqs = self._new_request(prompt, params, self._next_id)
         self.scheduler.add(seqs)
         self._next_id += 1
         return seqs[0].request_id
 
     def abort_request(self, request_id: int) -> bool:
-        """Stop an unfinished request and free its blocks; its partial output comes back from the next
-        `step()` with finish_reason "abort". False if no unfinished request has this id."""
+        """Stop an unfinished request (its output comes from the next `step()`, finish_reason "abort");
+        False if none has this id."""
         seq = self.scheduler.abort(as_int(request_id, "request_id"))
         if seq is not None:
             self._ready.append(self.outputs.output(seq))
@@ -295,14 +251,9 @@ class LLMEngine:
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
 
-    # -------------------------------------------------------------------------
-    # one step
-
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward over the whole batch, sample; returns requests that finished (and
-        those aborted since the last step), and of streaming requests (SamplingParams.output_kind
-        "cumulative" or "delta") their output so far, with finished=False: check `RequestOutput.finished`
-        when mixing them in. All-or-nothing: see the module docstring."""
+        """One forward over the whole batch; returns finished (or aborted) requests, and streaming ones'
+        output so far (finished=False). All-or-nothing: see the module docstring."""
         t0 = time.perf_counter()
         sched = self.scheduler
         with DeferSigint() as sigint:
@@ -330,8 +281,7 @@ class LLMEngine:
         return ready
 
     def _no_progress_error(self) -> EngineStateError:
-        """The request at the head of the queue cannot be admitted although nothing runs (its blocks
-        are held outside the scheduler): say which, and what it needs."""
+        """The head of the queue cannot be admitted although nothing runs: say which, and what it needs."""
         assert self.scheduler.waiting and not self.scheduler.running, "running sequences always schedule"
         head = self.scheduler.waiting[0].request_id
         return EngineStateError(
@@ -340,9 +290,8 @@ class LLMEngine:
 
     @torch.inference_mode()
     def _forward_and_sample(self, out, saved: list) -> tuple[list, list]:
-        """The batch's forward, then one token per sequence that completes its tokens (or the exception
-        its sampling raised), and the logprobs of those that ask for them (else None). Appends
-        (sequence, generator state) to `saved` before a generator is used."""
+        """The forward, then (tokens or exceptions, logprobs or None) of the sequences that sample;
+        saves (sequence, generator state) in `saved` first."""
         logits = self.runner.execute(out, self.scheduler.block_manager)  # (S, V)
         samplers = out.samplers  # forked samples draw from their parent's row
         if not samplers:  # only chunks of prompts ran
@@ -404,11 +353,8 @@ class LLMEngine:
             )
         )
 
-    # -------------------------------------------------------------------------
-    # the whole run
-
     def _prompt_list(self, prompts) -> list:
-        """`prompts` as a list of prompts: one str, one list of ids or one 1-D tensor/array is one prompt."""
+        """`prompts` as a list: one str, list of ids or 1-D tensor/array is one prompt."""
         if isinstance(prompts, (str, bytes, bytearray)):
             return [prompts]
         if isinstance(prompts, (torch.Tensor, np.ndarray)):  # 2-D: a prompt per row; others are one prompt
@@ -429,11 +375,8 @@ class LLMEngine:
         params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Run `prompts` (strings with a tokenizer, token-id lists, 1-D int tensors or arrays; or one of
-        these alone) to completion, in prompt order. All requests are checked before any is queued; if
-        the run is interrupted (Ctrl-C) or fails, its requests are aborted and the engine stays usable.
-        Whole outputs only (SamplingParams.output_kind does not apply: stream with `step()`); the bar
-        shows requests done and prompt and output tokens/s."""
+        """Run `prompts` to completion, outputs in prompt order. All are checked before any is queued; on
+        Ctrl-C or a failure they are aborted and the engine stays usable. Final outputs only."""
         if self.has_unfinished_requests():
             raise EngineStateError(
                 "generate() needs an idle engine; finish the requests already added with step() "
@@ -445,7 +388,6 @@ class LLMEngine:
                 raise InvalidArgumentError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         else:
             params = [params] * len(prompts)
-        # generate returns finished requests only: streaming options do not apply
         params = [
             replace(p, output_kind="final_only")
             if isinstance(p, SamplingParams) and p.output_kind != "final_only"
@@ -469,7 +411,7 @@ class LLMEngine:
         return [results[i] for i in ids]
 
     def _run_until_done(self, wanted: set, use_tqdm: bool) -> dict[int, RequestOutput]:
-        """Step until every request in `wanted` finished; the bar shows requests done and tokens/s."""
+        """Step until every request in `wanted` finished."""
         results: dict[int, RequestOutput] = {}
         bar, first, t0 = None, len(self.stats), time.perf_counter()
         if use_tqdm:

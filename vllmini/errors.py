@@ -1,9 +1,5 @@
-"""The package's exceptions: one base class, so callers can catch everything vllmini raises on purpose.
-
-Each subclass also derives from the builtin that code outside vllmini would expect, so `except ValueError`
-(or TypeError, IndexError, FileNotFoundError, ...) keeps working. Programming errors inside the package
-(broken invariants no caller can cause) stay plain `assert`s.
-"""
+"""The package's exceptions: one base class for everything vllmini raises on purpose; each subclass also
+derives from the builtin callers would expect (ValueError, TypeError, IndexError, ...)."""
 
 
 class VllminiError(Exception):

@@ -1,9 +1,7 @@
-"""The paged KV cache: per layer, a key pool and a value pool cut into fixed-size blocks (pages).
+"""The paged KV cache (notebook 04): per layer, K and V pools cut into fixed-size blocks (pages).
 
-A token's K/V lives at a *slot*: slot = block_id * block_size + offset. The block table (one list of
-block ids per sequence) turns a token index into a slot; `reshape_and_cache` writes a batch of new
-tokens' K/V to their slots (vLLM's name). Pools are [num_blocks, block_size, num_kv_heads, head_size],
-the layout `vllmini.paged_attention` and the CUDA kernels read.
+A token's K/V lives at slot = block_id * block_size + offset; `reshape_and_cache` writes new tokens'
+K/V to their slots (vLLM's name). Pools are [num_blocks, block_size, num_kv_heads, head_size].
 """
 
 from __future__ import annotations
@@ -52,21 +50,14 @@ def reshape_and_cache(
     validate: bool = True,
     padding: bool = False,
 ) -> None:
-    """Write each token's key/value into the cache slot `slot_mapping` gives it, in place.
+    """Write each token's key/value into its slot, in place; all is checked before anything is written.
 
-    Everything is checked before anything is written, so a failed call leaves the cache unchanged.
-    key/value must already have the cache's dtype (no silent down-casting). Duplicate slots are an
-    error: two tokens cannot own one slot. validate=False skips the slot checks (a host copy and sync)
-    for a caller that ran `check_slot_mapping(..., allow_padding=False)` on this same mapping, as the
-    model does once per forward for all its layers; shapes, dtypes and devices are always checked.
-    padding=True (with validate=False): -1 rows may be present and are skipped without a sync or a
-    boolean mask (a CUDA graph's padding rows): each one rewrites row 0's key and value into row 0's
-    slot, the same bytes twice, so row 0 must be a real token.
-    """
+    validate=False skips the slot checks (a host sync) for a caller that ran `check_slot_mapping` on this
+    mapping; padding=True then lets -1 rows rewrite row 0's K/V into row 0's slot (no sync, no mask)."""
     check_cache_pair(key_cache, value_cache)
     num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
     device = key_cache.device
-    kv_shape = (None, num_kv_heads, head_size)  # (num_tokens, num_kv_heads, head_size)
+    kv_shape = (None, num_kv_heads, head_size)
     for name, t in (("key", key), ("value", value)):
         check_tensor(t, name, dtypes=key_cache.dtype, device=device, shape=kv_shape, shape_desc=_NEW)
     if key.shape != value.shape:
@@ -99,8 +90,8 @@ def reshape_and_cache(
 
 
 def check_slot_mapping(slot_mapping: torch.Tensor, num_slots: int, *, allow_padding: bool = True) -> bool:
-    """Check a slot mapping on the host (one copy): every entry a slot in [0, num_slots) or -1 (padding,
-    only if allow_padding), no slot written twice. Returns whether any -1 is present."""
+    """Check on the host: every entry in [0, num_slots) or -1 (if allow_padding), no slot twice.
+    Returns whether any -1 is present."""
     slots = slot_mapping.detach().to("cpu", torch.int64).numpy()
     low = -1 if allow_padding else 0
     bad = (slots < low) | (slots >= num_slots)
@@ -207,11 +198,7 @@ class PagedKVCache:
         reshape_and_cache(key, value, self.key_caches[layer], self.value_caches[layer], slot_mapping)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy block src -> dst in every layer's K and V pools (copy-on-write after a fork).
-
-        All pairs are read before any is written, so a dst that is also a src gets the old contents.
-        A dst may appear only once.
-        """
+        """Copy block src -> dst in every layer's pools (copy-on-write); all read before any is written."""
         pairs = [self._check_pair(p) for p in pairs]
         dsts = [d for _, d in pairs]
         if len(set(dsts)) != len(dsts):

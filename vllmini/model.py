@@ -1,17 +1,10 @@
-"""A Llama-family decoder whose attention reads and writes the paged KV cache.
+"""A Llama-family decoder whose attention reads and writes the paged KV cache (notebook 06).
 
-The model is the usual Llama stack (token embedding, N x [RMSNorm -> grouped-query attention with
-rotary embeddings -> residual, RMSNorm -> SwiGLU MLP -> residual], RMSNorm, lm_head), written out in
-one file. What is different from a textbook decoder is the batch it eats: one flat list of tokens
-from many sequences at once, `input_ids [num_tokens]` and `positions [num_tokens]`, plus an
-`AttentionMetadata` (from vllmini.attention) that says where each token's K/V goes (`slot_mapping`) and
-which pages each sequence reads (`block_tables`, `seq_lens`). Prefill sequences come first (each several
-new tokens, `paged_prefill_attention`), decode sequences after (one new token each, `paged_attention`),
-so a step that mixes both is still one forward. The forward returns the logits of each sequence's last
-token. Weights load from a Hugging Face directory (config.json + safetensors, single file or sharded;
-tokenizer.json and generation_config.json when present) or an in-memory `transformers` model; nothing is
-downloaded, and every missing or damaged file is a CheckpointError (CheckpointNotFoundError when absent)
-that names it.
+The usual Llama stack, in one file; what differs from a textbook decoder is the batch: one flat list of
+tokens from many sequences (`input_ids`, `positions` [num_tokens]), prefills first, then decodes, with an
+`AttentionMetadata` saying where each token's K/V goes and which pages each sequence reads. Weights load
+from a Hugging Face directory or an in-memory `transformers` model; nothing is downloaded, and a missing
+or damaged file is a CheckpointError that names it.
 """
 
 from __future__ import annotations
@@ -43,10 +36,6 @@ ROPE_KEYS = {  # rope type -> what it reads from its scaling dict
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
-
-
-# -----------------------------------------------------------------------------
-# config
 
 
 @dataclass
@@ -105,8 +94,7 @@ class LlamaConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> LlamaConfig:
-        """From a Hugging Face config dict, with either rope key style: older `rope_theta` +
-        `rope_scaling`, or newer `rope_parameters` (which holds rope_theta and rope_type together)."""
+        """From a Hugging Face config dict (`rope_theta` + `rope_scaling`, or newer `rope_parameters`)."""
         one_of(d.get("model_type", "llama"), "model_type", ("llama",))
         one_of(d.get("hidden_act", "silu"), "hidden_act (SwiGLU)", ("silu",))
         rope = dict(as_dict(d.get("rope_parameters"), "rope_parameters"))
@@ -123,12 +111,8 @@ class LlamaConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> LlamaConfig:
-        """From the config.json in checkpoint directory `path`; a bad file is a CheckpointError naming it."""
+        """From the config.json in checkpoint directory `path`."""
         return read_checkpoint_file(Path(path) / "config.json", lambda f: cls.from_dict(read_json(f)))
-
-
-# -----------------------------------------------------------------------------
-# the layers
 
 
 class RMSNorm(nn.Module):
@@ -140,17 +124,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # F.rms_norm upcasts to float32 inside and rounds once: Llama's x.float() * rsqrt(...) .to(dtype),
-        # in one kernel instead of seven (a decode step launches two per layer)
+        # upcasts to float32 inside and rounds once, as Llama does, in one kernel instead of seven
         return self.weight * F.rms_norm(x, (x.shape[-1],), None, self.eps)
 
 
 def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
-    """Rotation frequency of each pair of head dims (head_dim // 2,), with Llama-3 / linear scaling.
-
-    Llama 3 stretches long wavelengths (low frequencies) by `factor`, keeps short ones, and blends
-    linearly in between, so a model trained on `original_max_position_embeddings` reads longer text.
-    """
+    """Rotation frequency of each pair of head dims (head_dim // 2,). Llama-3 scaling stretches long
+    wavelengths by `factor`, keeps short ones, and blends in between."""
     dim = config.head_dim
     inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim)
     scaling = config.rope_scaling or {}  # {}: plain RoPE
@@ -192,14 +172,12 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # (T, nkv, hd)
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)  # (T, nkv, hd)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        # new tokens into their slots; the model checked slot_mapping and block_tables once this forward
+        # the model checked slot_mapping and block_tables once for all layers
         reshape_and_cache(
             k, v, key_cache, value_cache, meta.slot_mapping, validate=False, padding=meta.has_padding
         )
-        # the batch is prefills first: their new tokens are rows [0, split), one row per decode follows
-        split, num_prefills = meta.num_prefill_tokens, meta.num_prefills
-        # a decode-only batch takes the attention's output as is (no buffer, no copy: fewer launches)
-        out = torch.empty_like(q) if num_prefills else None  # (T, nh, hd)
+        split, num_prefills = meta.num_prefill_tokens, meta.num_prefills  # prefill rows [0, split)
+        out = torch.empty_like(q) if num_prefills else None  # (T, nh, hd); decode-only: no buffer
         if num_prefills:  # only the torch backend has a prefill path
             out[:split] = paged_prefill_attention(
                 q[:split],
@@ -218,7 +196,7 @@ class Attention(nn.Module):
                 meta.block_tables[num_prefills:],
                 meta.seq_lens[num_prefills:],
                 backend=backend,
-                validate=validate,  # "guard", or False: the model checked the tables (check_metadata)
+                validate=validate,  # "guard", or False: checked in check_metadata
             )  # (T - split, nh, hd)
             if out is None:
                 out = decoded
@@ -255,10 +233,6 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-# -----------------------------------------------------------------------------
-# the model
-
-
 class LlamaModel(nn.Module):
     """Llama decoder + lm_head. Parameter names match Hugging Face's without the `model.` prefix."""
 
@@ -271,8 +245,7 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        # rotary frequencies (hd/2,), float32: a plain attribute, not a buffer, so that model.to(bfloat16)
-        # cannot round them; forward moves them to the input's device
+        # (hd/2,) float32: not a buffer, so model.to(bfloat16) cannot round it
         self.inv_freq = rope_inv_freq(config)
         self.tokenizer = None  # a tokenizers.Tokenizer when the checkpoint has tokenizer.json
         self.chat_template: str | None = None  # Jinja text, when the checkpoint has one
@@ -326,11 +299,8 @@ class LlamaModel(nn.Module):
     def check_metadata(
         self, meta: AttentionMetadata, kv_cache, backend: str
     ) -> tuple[AttentionMetadata, str | bool]:
-        """Check where a step writes and reads ONCE, for all layers (each layer's reshape_and_cache and
-        paged_attention then skip their own checks, a host sync each on a GPU): the slots, and the decode
-        rows' tables unless the kernels' in-kernel guard checks them. Returns `meta` (a checked copy, unless
-        it was checked already: the engine checks on the host, then moves it) and the `validate` every
-        layer's paged_attention gets: "guard", or False (checked here)."""
+        """Check the slots (and the tables, unless the in-kernel guard does) ONCE for all layers. Returns
+        `meta` (a checked copy unless already checked) and each layer's `validate`: "guard" or False."""
         guarded = guarded_by_default(backend, self.device, self.dtype)
         if not meta.host_checked:
             meta = dataclasses.replace(meta)
@@ -345,7 +315,6 @@ class LlamaModel(nn.Module):
             raise InvalidArgumentError(
                 f"kv_cache has (num_layers, num_kv_heads, head_size, dtype) = {got}; this model needs {want}"
             )
-        # every layer's cache must have layer 0's shape: one check of the slots and tables holds for all
         for i, (kc, vc) in enumerate(zip(kv_cache.key_caches, kv_cache.value_caches, strict=True)):
             if kc.shape != shape or vc.shape != shape:
                 raise InvalidArgumentError(
@@ -356,10 +325,8 @@ class LlamaModel(nn.Module):
     def from_pretrained(
         cls, path_or_hf_model, dtype: torch.dtype | None = None, device: str | torch.device | None = None
     ) -> LlamaModel:
-        """From a checkpoint directory (config.json + model.safetensors or a sharded
-        model.safetensors.index.json; tokenizer.json and generation_config.json when present) or
-        from an in-memory transformers LlamaForCausalLM (whose tensors are shared, not copied, when
-        dtype and device already match). dtype defaults to the stored weights'."""
+        """From a checkpoint directory (config.json, safetensors, tokenizer.json) or an in-memory
+        transformers LlamaForCausalLM. dtype defaults to the stored weights'."""
         if dtype is not None and dtype not in FLOAT_DTYPES:
             raise InvalidTypeError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype!r}")
         ckpt = read_checkpoint(path_or_hf_model)
@@ -382,10 +349,6 @@ class LlamaModel(nn.Module):
         if eos is not None:
             model.eos_token_ids = tuple(eos if isinstance(eos, list) else [eos])
         return model.eval()
-
-
-# -----------------------------------------------------------------------------
-# reading a checkpoint
 
 
 class Checkpoint(NamedTuple):
@@ -422,8 +385,7 @@ def read_checkpoint_file(file: Path, read):
 
 
 def read_checkpoint(path_or_hf_model) -> Checkpoint:
-    """Read a checkpoint directory or an in-memory transformers model (a parse error in config.json names
-    that file)."""
+    """Read a checkpoint directory or an in-memory transformers model."""
     tokenizer, gen, device = None, {}, None
     if isinstance(path_or_hf_model, (str, os.PathLike)):
         root = Path(path_or_hf_model)
@@ -490,8 +452,7 @@ def load_safetensors(root: Path) -> dict[str, torch.Tensor]:
 def load_hf_state_dict(
     model: torch.nn.Module, state: dict, dtype: torch.dtype, device: torch.device, where: str
 ) -> None:
-    """Place Hugging Face-named tensors (`model.` prefix optional) into `model`, cast to dtype on device;
-    every weight must be there with its shape (a tied lm_head may be absent)."""
+    """Place Hugging Face-named tensors into `model`, cast to dtype on device; each must be there."""
     expected = {n: p.shape for n, p in model.named_parameters()}  # a tied lm_head appears once
     tensors = {}
     for key, t in state.items():

@@ -1,23 +1,11 @@
-"""Runs the model for the engine (vLLM's GPUModelRunner): it owns the paged KV cache, picks the decode
-attention backend, captures the decode CUDA graphs, turns a step's batch into input tensors
-(`prepare_inputs`) and runs the forward (`execute`), with no host sync on a GPU decode step.
+"""Runs the model for the engine (notebook 06; vLLM's GPUModelRunner): owns the paged KV cache, picks the
+decode backend, turns a step's batch into tensors (`prepare_inputs`) and runs the forward (`execute`).
 
-CUDA graphs for decode steps (`DecodeGraphs`) capture the model's decode forward once per padded batch
-size and replay it. A decode step launches about 20 kernels per layer; eager, the host spends more time
-issuing them than the GPU spends running them (benchmarks/RESULTS.md: 115 ms of host time against 14 ms
-of GPU time for five steps at batch 64). A CUDA graph records the launches once and replays them with one
-call. What a graph records are pointers, so every input lives in ONE static int32 buffer that each step
-refills (one host->device copy from pinned memory, non-blocking), and the graph for batch size b reads,
-from its front:
+Decode steps replay CUDA graphs (`DecodeGraphs`), one per padded batch size (1, 2, 4, 8, then multiples
+of 8): eager, the host spends longer issuing a decode's ~20 launches per layer than the GPU running them
+(benchmarks/RESULTS.md). A graph records pointers, so every input lives in ONE static int32 buffer:
 
     input_ids (b,) | positions (b,) | slot_mapping (b,) | seq_lens (b,) | block_tables (b, max_blocks)
-
-A batch of n sequences replays the graph of the smallest captured size b >= n (as vLLM does: 1, 2, 4, 8,
-then multiples of 8 up to a maximum), with b - n padding rows (`pack_inputs`) whose logits are dropped.
-The CuPy attention kernel runs on torch's current stream, so it is captured with the rest; its in-kernel
-guard still records a bad page id, read by the engine after the replay (check_kernel_errors). Prefill,
-mixed batches and batches above the largest size run eagerly. The captured forward is sync-free (no
-.item(), no host checks: the engine checks the slot mapping on the host before it fills the buffer).
 """
 
 from __future__ import annotations
@@ -37,8 +25,7 @@ from vllmini.sequence import SchedulerOutput
 def prepare_inputs(
     out: SchedulerOutput, block_manager: BlockManager, device=None
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """input_ids (num_tokens,), positions (num_tokens,) and the AttentionMetadata of a batch: prefills
-    first (tokens [num_computed_tokens, end), which may start mid-sequence), then one token per decode."""
+    """input_ids (num_tokens,), positions (num_tokens,) and the AttentionMetadata of a batch."""
     spans, ids, pos = out.spans, [], []
     for seq, (start, end) in zip(out.seqs, spans, strict=True):
         ids += seq.token_ids[start:end]
@@ -58,8 +45,7 @@ def prepare_inputs(
 
 
 class ModelRunner:
-    """The model, its KV cache and how each step's forward runs (eager, or a replayed CUDA graph).
-    `config` is the engine's EngineConfig (vllmini.engine), with max_model_len resolved."""
+    """The model, its KV cache and each step's forward. `config`: the engine's EngineConfig."""
 
     def __init__(self, model: LlamaModel, config):
         self.model, self.config, self.device = model, config, model.device
@@ -83,8 +69,7 @@ class ModelRunner:
         )  # fmt: skip
 
     def _resolve_backend(self, backend: str) -> str:
-        """The decode backend to use. An explicit one that cannot run this dtype/device fails now, not at
-        the first decode; "auto" falls back to "torch" when the CUDA kernel cannot run this model."""
+        """The decode backend: one that cannot run this model fails now ("auto" falls back to "torch")."""
         from vllmini.attention import paged_attention, resolve_backend
 
         concrete = resolve_backend(backend, self.device) if backend == "auto" else backend
@@ -105,8 +90,7 @@ class ModelRunner:
         return concrete
 
     def _capture_graphs(self, wanted: bool | None):
-        """Capture the decode CUDA graphs (`DecodeGraphs`) before any request runs, or None.
-        wanted None: on for a CUDA model whose backend a graph can hold ("cupy", "torch")."""
+        """The decode CUDA graphs, captured before any request runs, or None."""
         cuda = self.device.type == "cuda"
         if wanted is None:
             wanted = cuda and self.backend in ("cupy", "torch")
@@ -136,12 +120,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, block_manager: BlockManager) -> torch.Tensor:
-        """The batch's forward: logits (S, V), one row per sequence. Fails (InvalidBlockTableError) if
-        a kernel's guard saw a bad page id; the engine then rolls the step back."""
+        """The batch's forward: logits (S, V). InvalidBlockTableError if the kernels' guard saw a bad page."""
         input_ids, positions, meta = self.prepare_inputs(out, block_manager)  # on the CPU
-        # the slots (and, without the kernels' guard, the tables) are checked here, on the host, so the
-        # GPU forward needs no sync; the inputs then go to the GPU without one (pinned, non-blocking)
-        kv = self.kv_cache
+        kv = self.kv_cache  # checked on the host: the GPU forward needs no sync
         meta, _ = self.model.check_metadata(meta, kv, self.backend)
         graphs = self.graphs
         if graphs is not None and not meta.num_prefills and graphs.size_for(meta.num_seqs) is not None:
@@ -151,13 +132,9 @@ class ModelRunner:
                 input_ids, positions = to_device(input_ids, self.device), to_device(positions, self.device)
                 meta = meta.to(self.device)
             logits = self.model(input_ids, positions, kv, meta, backend=self.backend)  # (S, V)
-        if self.device.type == "cuda":  # a bad page id seen by the kernels' in-kernel guard: fail the step
-            check_kernel_errors(self.device)  # (one small device->host copy; the step is rolled back)
+        if self.device.type == "cuda":  # the in-kernel guard's record (one small copy)
+            check_kernel_errors(self.device)
         return logits
-
-
-# -----------------------------------------------------------------------------
-# CUDA graphs for decode steps
 
 
 NUM_FIELDS = 4  # input_ids, positions, slot_mapping, seq_lens; then the block tables
@@ -165,16 +142,14 @@ MAX_CAPTURE_SIZE = 512  # vLLM's default largest captured batch
 
 
 def capture_sizes(max_batch_size: int) -> list[int]:
-    """Padded batch sizes to capture: 1, 2, 4, 8, then multiples of 8 up to max_batch_size (and
-    max_batch_size itself, rounded up to a multiple of 8 past 8)."""
+    """Padded batch sizes to capture: 1, 2, 4, 8, then multiples of 8 up to max_batch_size (rounded up)."""
     m = as_int(max_batch_size, "max_batch_size", min=1, max=MAX_CAPTURE_SIZE)
     sizes = [s for s in (1, 2, 4, 8) if s < m] + list(range(16, m, 8))
     return sizes + [m if m <= 8 else cdiv(m, 8) * 8]
 
 
 def input_views(buffer: torch.Tensor, b: int, width: int) -> tuple[torch.Tensor, ...]:
-    """The five inputs of a batch of b rows as views of the front of an int32 buffer: input_ids (b,),
-    positions (b,), slot_mapping (b,), seq_lens (b,), block_tables (b, width)."""
+    """The five inputs of a batch of b rows as views of the front of an int32 buffer."""
     ids, pos, slots, lens = (buffer[i * b : (i + 1) * b] for i in range(NUM_FIELDS))
     tables = buffer[NUM_FIELDS * b : (NUM_FIELDS + width) * b].view(b, width)
     return ids, pos, slots, lens, tables
@@ -189,9 +164,8 @@ def pack_inputs(
     *,
     pin: bool = False,
 ) -> torch.Tensor:  # ((NUM_FIELDS + width) * b,) int32 on the CPU
-    """A decode batch of n <= b sequences (CPU tensors) laid out as `input_views` reads it, padded to b
-    rows: a padding row has token 0 at position 0, slot -1 (not written), seq_len 1 and page 0 (a valid
-    block, read for one token, its output dropped); table columns past a row's own are page 0 too."""
+    """A decode batch of n <= b CPU rows laid out as `input_views` reads it; padding rows have token 0,
+    slot -1 (not written), seq_len 1 and page 0 (read, output dropped)."""
     n, w = input_ids.shape[0], meta.block_tables.shape[1]
     assert 1 <= n <= b and w <= width, (n, b, w, width)
     host = torch.empty((NUM_FIELDS + width) * b, dtype=torch.int32, pin_memory=pin)
@@ -205,8 +179,7 @@ def pack_inputs(
 
 
 def padded_decode_forward(model, kv_cache, backend: str, buffer: torch.Tensor, b: int, width: int):
-    """Logits (b, vocab) of the decode batch of b rows packed in `buffer` (`pack_inputs`), padding rows
-    included: the forward a graph records, reading nothing but the buffer. Runs on the CPU too (tests)."""
+    """Logits (b, vocab) of the b rows packed in `buffer`: the forward a graph records (CPU too)."""
     ids, pos, slots, lens, tables = input_views(buffer, b, width)
     meta = AttentionMetadata(
         slot_mapping=slots.long(),
@@ -225,19 +198,15 @@ class DecodeGraphs:
     """The captured decode forwards of one model on one KV cache, and their static input buffer."""
 
     def __init__(self, model, kv_cache, backend: str, max_batch_size: int, max_num_blocks_per_seq: int):
-        if model.device.type != "cuda" or kv_cache.key_caches[0].device != model.device:
-            raise InvalidArgumentError(
-                f"CUDA graphs need the model and KV cache on one CUDA device, got {model.device} and "
-                f"{kv_cache.key_caches[0].device}"
-            )
-        if backend not in ("torch", "cupy"):
-            raise InvalidArgumentError(f"CUDA graphs capture backend 'torch' or 'cupy', got {backend!r}")
+        # ModelRunner checked the device and backend (use_cuda_graphs=True on a CPU raises there)
+        assert model.device.type == "cuda" and kv_cache.key_caches[0].device == model.device
+        assert backend in ("torch", "cupy"), backend
         if kv_cache.num_slots >= 2**31:
             raise InvalidArgumentError(f"{kv_cache.num_slots} slots do not fit the int32 input buffer")
         self.model, self.kv_cache, self.backend = model, kv_cache, backend
         self.sizes = capture_sizes(max_batch_size)
         self.max_batch_size = self.sizes[-1]
-        self.width = as_int(max_num_blocks_per_seq, "max_num_blocks_per_seq", min=1)
+        self.width = max_num_blocks_per_seq
         self.device = model.device
         per_row = NUM_FIELDS + self.width
         self.buffer = torch.zeros(self.max_batch_size * per_row, dtype=torch.int32, device=self.device)
@@ -245,13 +214,12 @@ class DecodeGraphs:
         self.logits: dict[int, torch.Tensor] = {}  # size -> (size, vocab), written by each replay
 
     def _forward(self, b: int) -> torch.Tensor:
-        """The decode forward of b rows, reading only the static buffer (what the graph records)."""
+        """The decode forward of b rows, reading only the static buffer."""
         return padded_decode_forward(self.model, self.kv_cache, self.backend, self.buffer, b, self.width)
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every size, largest first, in one memory pool. The dummy rows write slot 0 (a free
-        block before any request runs: call this before the first request)."""
+        """Capture every size, largest first, in one pool (before any request: dummy rows write slot 0)."""
         kernel_error_buffer(self.device)  # the guard's record must exist before the graphs point at it
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)
@@ -274,9 +242,8 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Logits (num_seqs, vocab) of a decode-only batch given as CPU tensors (meta checked on the
-        host), by replaying the graph of its padded size. The result is a view of the graph's output:
-        read it before the next run."""
+        """Logits (num_seqs, vocab) of a host-checked decode batch of CPU tensors, by replay; a view of
+        the graph's output: read it before the next run."""
         n = input_ids.shape[0]
         b = self.size_for(n)
         if b is None or meta.num_prefills or input_ids.device.type != "cpu" or not meta.host_checked:

@@ -1,8 +1,6 @@
-"""Between the user and the engine. What comes in is checked and tokenized (InputProcessor); what goes
-out is a request's output (RequestOutput, with its n CompletionOutputs and their Logprobs), made from its
-sequences by OutputProcessor (why a sequence stops, its text, logprobs and streamed deltas), as vLLM's
-processors and detokenizer do; and what each step did (StepStats), summed up over a run by
-sharing_summary."""
+"""Between the user and the engine (notebook 06): prompts checked and tokenized (InputProcessor), outputs
+made from sequences (OutputProcessor: stop reasons, text, logprobs, streamed deltas), and what each step
+did (StepStats, summed by sharing_summary). vLLM's names."""
 
 from __future__ import annotations
 
@@ -25,9 +23,8 @@ class Logprob:
 
 @dataclass
 class CompletionOutput:
-    """One of a request's n samples (vLLM's name). finish_reason as RequestOutput's (None while it
-    runs). logprobs (SamplingParams.logprobs): per token, {token id: Logprob} for the token drawn and
-    the top alternatives. stop_reason: the stop token id or stop string that ended it (None for EOS)."""
+    """One of a request's n samples. logprobs: per token, {token id: Logprob} of the token drawn and the
+    top alternatives; stop_reason: the stop token id or string that ended it (None for EOS)."""
 
     index: int
     token_ids: list[int]
@@ -40,11 +37,9 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """A request's output. text is None without a tokenizer. finish_reason: "length", "stop", "abort"
-    (abort_request), or "error" (its sampling failed; `error` says how). `outputs` holds all n samples
-    (SamplingParams.n); the flat fields are those of the first, so n=1 code reads them directly.
-    finished is False for what streaming requests (SamplingParams.output_kind) return while they run;
-    with output_kind "delta" the tokens, text and logprobs are those new since the last output."""
+    """A request's output: `outputs` holds all n samples, the flat fields are the first's. finish_reason:
+    "length", "stop", "abort" or "error" (its sampling failed: see `error`). finished is False while a
+    streaming request runs."""
 
     request_id: int
     prompt_token_ids: list[int]
@@ -74,11 +69,9 @@ class StepStats:
     num_generated: int
     num_finished: int
     seconds: float  # forward + sampling (wall clock)
-    # sharing pages: used_blocks are physical; without sharing the same sequences would hold
-    # logical_blocks. cached_blocks: free blocks that still hold a cached prefix (part of free_blocks)
-    logical_blocks: int = 0
+    logical_blocks: int = 0  # blocks the sequences would hold without sharing (used_blocks: physical)
     shared_blocks: int = 0  # physical blocks held by more than one sequence
-    cached_blocks: int = 0
+    cached_blocks: int = 0  # free blocks that still hold a cached prefix
     num_copies: int = 0  # copy-on-write block copies made before this step's forward
     num_prefill_tokens: int = 0  # prompt tokens computed (not found cached or shared)
     num_lookup_tokens: int = 0  # prefix caching: tokens of the requests admitted in this step ...
@@ -88,8 +81,7 @@ class StepStats:
 
     @property
     def memory_saved(self) -> float:
-        """Share of the KV blocks sharing saves: 1 - used / (used without sharing), as the
-        PagedAttention paper measures it (Kwon et al., SOSP 2023, Fig. 15)."""
+        """1 - used / (used without sharing), as the PagedAttention paper measures it (Fig. 15)."""
         return 1.0 - self.used_blocks / self.logical_blocks if self.logical_blocks else 0.0
 
     @property
@@ -109,9 +101,7 @@ class StepStats:
 
 
 def sharing_summary(stats: list[StepStats]) -> dict:
-    """What sharing saved over a run: memory saved (blocks in use with sharing vs without, summed over
-    steps), prefix-cache hit rates (tokens and blocks), prompt tokens computed and found cached,
-    copy-on-write copies, and the most blocks shared at once."""
+    """What sharing saved over a run: memory, prefix-cache hit rates, prompt tokens, copies."""
     total = lambda name: sum(getattr(s, name) for s in stats)  # noqa: E731
     used, logical = total("used_blocks"), total("logical_blocks")
     lookup_t, lookup_b = total("num_lookup_tokens"), total("num_lookup_blocks")
@@ -124,10 +114,6 @@ def sharing_summary(stats: list[StepStats]) -> dict:
         "copies": total("num_copies"),
         "max_shared_blocks": max((s.shared_blocks for s in stats), default=0),
     }
-
-
-# -----------------------------------------------------------------------------
-# requests in, outputs out
 
 
 STOP_WINDOW = 8  # tokens decoded beyond a stop string's length to look for it (tokens may decode to "")
@@ -162,7 +148,7 @@ class InputProcessor:
         )
 
     def check_params(self, params: SamplingParams | None) -> SamplingParams:
-        """`params` (None: the defaults) if this model can honour them; fails before anything is queued."""
+        """`params` (None: the defaults) if this model can honour them."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidTypeError(
@@ -181,7 +167,7 @@ class InputProcessor:
         return params
 
     def encode(self, prompt) -> list[int]:
-        """Token ids of one prompt: a str (needs a tokenizer), or ids as a list or a 1-D int tensor/array."""
+        """Token ids of one prompt: a str (needs a tokenizer), or ids."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidTypeError(
@@ -203,15 +189,13 @@ class InputProcessor:
 
 
 class OutputProcessor:
-    """Turns sequences into what the user sees (vLLM's OutputProcessor and Detokenizer): why a sequence
-    stops (stop token, EOS, stop string, length), its text, its logprobs, streamed deltas."""
+    """Turns sequences into what the user sees (vLLM's OutputProcessor and Detokenizer)."""
 
     def __init__(self, tokenizer, eos_token_ids: set[int]):
         self.tokenizer, self.eos_token_ids = tokenizer, eos_token_ids
 
     def finish_reason(self, seq: Sequence, token: int) -> str | None:
-        """Why `seq` stops after appending `token` ("stop", "length"), or None. Sets its stop_reason,
-        and for a stop string where its text ends."""
+        """Why `seq` stops after `token` ("stop", "length"), or None; sets its stop_reason and text_end."""
         p = seq.sampling_params
         if token in p.stop_token_ids:
             seq.stop_reason = token
@@ -219,8 +203,7 @@ class OutputProcessor:
         if not p.ignore_eos and token in self.eos_token_ids:
             return "stop"
         if p.stop:
-            # a stop string not seen before ends in the new token: decoding the last few tokens finds it
-            # (the whole text is decoded once, when it is found, to cut it there)
+            # a new stop string ends in the new token: decode the tail, the whole text only once found
             tail = self._text(seq.output_token_ids[-(max(map(len, p.stop)) + STOP_WINDOW) :])
             if any(x in tail for x in p.stop):
                 text = self._text(seq.output_token_ids)
@@ -241,8 +224,7 @@ class OutputProcessor:
         )
 
     def completion(self, seq: Sequence) -> CompletionOutput:
-        """What to return of one sample: everything, or (output_kind "delta") what is new since the
-        last time. While it runs, text that may be the start of a stop string is held back."""
+        """One sample's output (or, "delta", what is new); text that may start a stop string is held back."""
         p, ids = seq.sampling_params, seq.output_token_ids
         text = None
         if self.tokenizer is not None:
@@ -267,7 +249,7 @@ class OutputProcessor:
         )
 
     def output(self, seq: Sequence) -> RequestOutput:
-        """The RequestOutput of `seq`'s request: all its samples (finished, or so far while it streams)."""
+        """The RequestOutput of `seq`'s request, all its samples."""
         finished = all(s.status is SequenceStatus.FINISHED for s in seq.group)
         outputs = [self.completion(s) for s in sorted(seq.group, key=lambda s: s.index)]
         first = outputs[0]

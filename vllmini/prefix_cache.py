@@ -1,17 +1,9 @@
-"""Prefix caching: full KV blocks found again by what they hold, so requests that start alike share them.
+"""Prefix caching (notebook 08): full KV blocks found again by what they hold, so alike requests share them.
 
-A full block's K/V depends on every token before it, not only on its own. So a block is named by a hash
-chain: hash(block i) = H(hash(block i-1), token ids of block i), with H = SHA-256 (truncated to 16
-bytes), which makes the hash stand for the whole prefix. `PrefixCache` maps hash -> physical block for
-blocks whose tokens were all computed by a step that committed. A new request walks its own chain and
-reuses every block it finds (its longest cached prefix); a hit is checked against the stored parent hash
-and token ids, so a block whose hash collides with ours but holds other tokens is never used.
-
-A cached block whose last owner leaves is not freed: it waits in an LRU list (`evictable`), still
-findable, until its memory is needed. The owner of the pool (`BlockManager`) evicts the least recently
-used one first; eviction drops the hash entry, so a page that is reused never answers for the old one.
-The cache holds the allocator reference of every evictable block itself, so it never looks free to the
-allocator. (vLLM v1 does the same in `vllm/v1/core/block_pool.py` and `kv_cache_utils.py`.)
+A block's K/V depends on every token before it, so a block is named by a hash chain: hash(block i) =
+SHA-256(hash(block i-1), its token ids), truncated to 16 bytes. A hit is checked against the stored parent
+hash and token ids. A cached block whose last owner leaves waits, still findable, in an LRU list
+(`evictable`) until its memory is needed (vLLM v1: `vllm/v1/core/block_pool.py`).
 """
 
 from __future__ import annotations
@@ -74,8 +66,7 @@ class PrefixCache:
         return blocks
 
     def register(self, block_id: int, h: bytes, parent: bytes | None, token_ids) -> bool:
-        """Name a full, computed block by its hash. False (nothing changes) if the block already has a
-        name, or another block already holds this prefix (the first one stays the cached copy)."""
+        """Name a full, computed block by its hash; False if it has a name or another block has this one."""
         if block_id in self._entry or h in self._block_of:
             return False
         self._block_of[h] = block_id
@@ -110,8 +101,8 @@ class PrefixCache:
         return dict(self._block_of), dict(self._entry), list(self.evictable)
 
     def restore(self, snapshot: tuple) -> list[int]:
-        """Put back `snapshot()`'s cache, except blocks evicted since: their pages may have been written,
-        so they come back unnamed. Returns those of them that were evictable (now plainly free)."""
+        """Put back `snapshot()`'s cache; blocks evicted since come back unnamed (their pages may have been
+        written). Returns those that were evictable (now plainly free)."""
         block_of, entry, evictable = snapshot
         self._block_of, self._entry = dict(block_of), dict(entry)
         self.evictable = OrderedDict.fromkeys(evictable)

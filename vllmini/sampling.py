@@ -1,6 +1,5 @@
-"""How the engine picks each next token: the options of a request (SamplingParams) and sampling a whole
-batch's logits at once (sample_batch), each request drawing only from its own seeded generator, so its
-tokens do not depend on what else is in the batch."""
+"""Sampling (notebook 06): a request's options (SamplingParams), and a whole batch's tokens at once
+(sample_batch), each request drawing only from its own seeded generator."""
 
 from __future__ import annotations
 
@@ -25,24 +24,13 @@ class SamplingParams:
     top_k: int | None = None  # None = off
     top_p: float = 1.0  # 1.0 = off
     seed: int | None = None  # None: derived from the engine's seed and the request number, so runs repeat
-    # ids that stop it ("stop"), as the model's EOS does; the stop token is kept in output_token_ids
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)  # ids that stop it (kept in the output)
     ignore_eos: bool = False  # True: generate past EOS
-    # samples of the prompt (parallel sampling), returned together. Sample 0 draws from a generator seeded
-    # with the request's seed (so it equals the n=1 result), sample i > 0 from one seeded with
-    # `sample_seed(seed, i)`, an unrelated stream. At temperature 0 all n samples are identical
-    n: int = 1
-    # strings that stop it when its text contains one ("stop"; needs a tokenizer): the text is cut before
-    # the stop string, the token ids that made it are kept (as vLLM)
-    stop: list[str] = field(default_factory=list)
-    # k: for every generated token its log-probability and those of the k most likely tokens (k=0: only
-    # its own), float32 log_softmax of the model's logits the token was drawn from (before temperature,
-    # top-k and top-p, as vLLM's default "raw" logprobs)
+    n: int = 1  # samples of the prompt; sample 0 equals the n=1 result, sample i seeds `sample_seed(seed, i)`
+    stop: list[str] = field(default_factory=list)  # strings that stop it: the text is cut before one
+    # k: each token's log-probability and the k most likely ones' (raw logits, before temperature/top-k/p)
     logprobs: int | None = None
-    # what `LLMEngine.step()` returns of this request: "final_only" the finished request once;
-    # "cumulative" also, after every step that added tokens, everything so far (RequestOutput.finished
-    # False); "delta" only what is new since the last output. `generate` always returns final outputs
-    output_kind: str = "final_only"
+    output_kind: str = "final_only"  # what step() returns: OUTPUT_KINDS (generate: final outputs only)
 
     def __post_init__(self):
         self.max_tokens = as_int(self.max_tokens, "max_tokens", min=1)
@@ -87,12 +75,8 @@ def sample_batch(
     logits: torch.Tensor, rows: list[int], params: list[SamplingParams], generators: list[torch.Generator]
 ) -> list[int | Exception]:
     """One token per entry: from logits[rows[j]] (logits: (S, V)) under params[j], drawing only from
-    generators[j]; an entry whose draw fails gets the exception instead (it fails alone).
-
-    Greedy entries share one argmax. Sampled ones go through temperature, top-k and top-p together, as
-    tensor ops over all of them; only the multinomial draw stays one call per entry, since each draws
-    from its own generator (one batched draw would mix their streams). The ops work row by row, so an
-    entry's token does not depend on the others in the batch."""
+    generators[j] (one draw per entry: a batched draw would mix their streams); a failed draw gets its
+    exception instead. Temperature, top-k and top-p are batched tensor ops, row by row."""
     tokens: list[int | Exception] = [0] * len(rows)
     greedy = [j for j, p in enumerate(params) if p.is_greedy]
     if greedy:
@@ -135,14 +119,12 @@ def sample_batch(
 
 
 def _draw(probs: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
-    """One token id, (1,), from the distribution probs (V,), drawn from `generator` (the per-request
-    part of sampling)."""
+    """One token id, (1,), from the distribution probs (V,), drawn from `generator`."""
     return torch.multinomial(probs, 1, generator=generator)
 
 
 def token_logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int], ks: list[int]) -> list[dict]:
-    """For each j: {token id: (logprob, rank)} of tokens[j] and the ks[j] most likely tokens of
-    logits[rows[j]] (logits: (S, V)); float32 log_softmax, one host transfer for all."""
+    """For each j: {token id: (logprob, rank)} of tokens[j] and the ks[j] most likely of logits[rows[j]]."""
     lp = logits[rows].float().log_softmax(-1)  # (R, V)
     chosen = torch.tensor(tokens, device=lp.device)[:, None]  # (R, 1)
     chosen_lp = lp.gather(1, chosen)  # (R, 1)

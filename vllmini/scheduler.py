@@ -1,32 +1,11 @@
-"""Continuous batching: which sequences run in the next forward, and where their tokens go.
+"""Continuous batching (notebook 06; sharing pages: notebook 08): which sequences run in each step.
 
-Every step builds one batch: each running sequence takes one decode step, and waiting prompts are admitted
-(prefilled) while the block pool has room, keeping a small watermark of free blocks so the running ones can
-still grow. A decode that needs a new block when none is free preempts the most recently admitted sequence
-*by recomputation*: its blocks are freed and it goes back to the head of the waiting queue with the tokens
-it has generated, to be prefilled (prompt + generated) in one go when admitted again. Requests are never
-lost or duplicated.
-
-Sharing pages. A request with n samples (parallel sampling) is a group of n sequences, admitted together
-only if the whole group fits (each counts against max_num_seqs) and preempted together. A fresh group
-prefills its prompt once: the others fork the first sample's page table, sample from its logits and copy
-the shared, partly filled last block before writing into it (copy-on-write). Readmitted after preemption,
-they share the first one's whole blocks as far as their tokens agree. With prefix caching, an admitted
-sequence starts on the longest cached prefix of its tokens. Either way a prefill computes tokens
-[num_computed_tokens, num_tokens): it may start at k > 0. With enable_chunked_prefill, prompts take chunks
-of what the decodes leave of max_num_batched_tokens (`schedule_chunks`): running decodes get their token
-first, then sequences still prefilling, oldest first, then newly admitted ones. A request is admitted with
-blocks for all its tokens, so chunks never allocate or preempt.
-
-A step can be undone: `snapshot()` before `schedule()` and `restore()` after a failed forward put back
-every allocation, append and preemption, so the next `schedule()` makes the same batch again. A sequence
-preempted in the failed step gets its blocks back, but the failed forward may have written other tokens
-into them: it is marked stale and recomputed unless the replayed step preempts it again anyway.
-
-Policies (POLICIES), over the same model and pool: "paged" allocates blocks as tokens arrive (vLLM);
-"static" reserves max_model_len slots per admitted request up front (before paging; Orca (Max)); "oracle"
-reserves exactly prompt + max_tokens (Orca (Oracle): knows its length). Reservations are whole blocks
-of the same pool, so all else stays equal; one can never run out, so static policies never preempt.
+Running sequences decode one token each; waiting requests are admitted (FCFS) while the pool keeps a
+watermark of free blocks. A decode that finds no free block preempts the most recently admitted group *by
+recomputation*: its blocks are freed and it waits again at the head of the queue. The n samples of a
+request are admitted, forked (copy-on-write) and preempted together; with chunked prefill, prompts take
+chunks of the token budget the decodes leave. `snapshot()` / `restore()` undo a failed step. POLICIES:
+"paged" (vLLM) allocates as tokens arrive; "static" and "oracle" (Orca) reserve up front, never preempt.
 """
 
 from __future__ import annotations
@@ -35,7 +14,7 @@ from collections import deque
 from itertools import islice
 
 from vllmini.block_manager import BlockManager
-from vllmini.checks import as_block_size, as_bool, as_fraction, as_int, cdiv, one_of
+from vllmini.checks import as_int, cdiv, one_of
 from vllmini.errors import EngineStateError, InvalidArgumentError
 from vllmini.sequence import SchedulerOutput, Sequence, SequenceStatus, as_group
 
@@ -53,40 +32,26 @@ def check_policy(policy, enable_prefix_caching: bool = False) -> str:
 class Scheduler:
     """Queues of waiting and running sequences over one `BlockManager`."""
 
-    def __init__(
-        self,
-        num_blocks: int,
-        block_size: int,
-        max_model_len: int,
-        *,
-        policy: str = "paged",
-        watermark: float = 0.01,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        enable_prefix_caching: bool = False,
-        enable_chunked_prefill: bool = False,
-    ):
-        enable_prefix_caching = as_bool(enable_prefix_caching, "enable_prefix_caching")
-        check_policy(policy, enable_prefix_caching)
-        num_blocks = as_int(num_blocks, "num_blocks", min=1)
-        block_size = as_block_size(block_size)
-        max_model_len = as_int(max_model_len, "max_model_len", min=1)
-        max_num_seqs = as_int(max_num_seqs, "max_num_seqs", min=1)
-        watermark = as_fraction(watermark, "watermark", "[0, 1)")
-        if max_num_batched_tokens is not None:
-            max_num_batched_tokens = as_int(max_num_batched_tokens, "max_num_batched_tokens", min=1)
+    def __init__(self, config, num_blocks: int):
+        """`config`: a checked EngineConfig (vllmini.engine), max_model_len set; `num_blocks`: the pool."""
+        if config.max_model_len is None:
+            raise InvalidArgumentError("the scheduler needs config.max_model_len, got None")
+        num_blocks, block_size = as_int(num_blocks, "num_blocks", min=1), config.block_size
+        policy, max_model_len = config.policy, config.max_model_len
         # reservations never grow, so static policies need no headroom
-        watermark_blocks = int(watermark * num_blocks) if policy == "paged" else 0
-        self.block_manager = BlockManager(num_blocks, block_size, watermark_blocks, enable_prefix_caching)
+        watermark_blocks = int(config.watermark * num_blocks) if policy == "paged" else 0
+        self.block_manager = BlockManager(
+            num_blocks, block_size, watermark_blocks, config.enable_prefix_caching
+        )
         if policy == "static" and cdiv(max_model_len, block_size) > num_blocks:
             raise InvalidArgumentError(
                 f"policy 'static' reserves max_model_len={max_model_len} slots per request, but "
                 f"the pool has only {num_blocks} blocks x {block_size} = {num_blocks * block_size}"
             )
         self.policy, self.block_size, self.max_model_len = policy, block_size, max_model_len
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens or max(max_model_len, 2048)
-        self.enable_chunked_prefill = as_bool(enable_chunked_prefill, "enable_chunked_prefill")
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens or max(max_model_len, 2048)
+        self.enable_chunked_prefill = config.enable_chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last one is preempted first
         self.num_preemptions = 0
@@ -94,12 +59,8 @@ class Scheduler:
         self._requests: dict = {}  # request_id -> its group, while any sample is waiting or running
         self._stale: set = set()  # seq_ids whose cached KV a failed forward may have overwritten
 
-    # -------------------------------------------------------------------------
-    # requests in and out
-
     def check_fits(self, seqs: Sequence | list[Sequence]) -> None:
-        """InvalidArgumentError (a ValueError) if a request (one sequence, or the n samples of one prompt)
-        could never run, even alone with the whole pool."""
+        """InvalidArgumentError if a request (one sequence, or n samples) could never run, even alone."""
         group = [seqs] if isinstance(seqs, Sequence) else list(seqs)
         seq, n, bs = group[0], len(group), self.block_size
         if seq.max_len > self.max_model_len:
@@ -127,9 +88,7 @@ class Scheduler:
             )
 
     def add(self, seqs: Sequence | list[Sequence]) -> None:
-        """Queue a new request at the back: one sequence, or the n samples of one prompt (a list, with
-        one request_id). A seq_id or request_id already waiting or running is refused, as is a sequence
-        that already ran."""
+        """Queue a new request: one sequence, or the n samples of one prompt (one request_id)."""
         group = as_group(seqs)
         for seq in group:
             if seq.seq_id in self._live:
@@ -153,8 +112,7 @@ class Scheduler:
         self._retire(seq, reason)
 
     def abort(self, request_id) -> Sequence | None:
-        """Stop every waiting or running sample of a request (between steps) and free their blocks.
-        Returns its first sample (`.group` holds them all), or None if no sample was waiting or running."""
+        """Stop every unfinished sample of a request; returns its first sample, or None if none was live."""
         group = self._requests.get(request_id, [])
         live = [s for s in group if self._live.get(s.seq_id) is s]
         for seq in live:
@@ -162,7 +120,7 @@ class Scheduler:
         return group[0] if live else None
 
     def _retire(self, seq: Sequence, reason: str) -> None:
-        """Take a waiting or running `seq` out of the queues for good (freeing its blocks)."""
+        """Take `seq` out of the queues for good (freeing its blocks)."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.block_manager.free(seq.seq_id)
@@ -177,11 +135,8 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    # -------------------------------------------------------------------------
-    # undoing a step
-
     def snapshot(self) -> tuple:
-        """Everything `schedule()` changes: queues, statuses, preemption counts and the block manager."""
+        """Everything `schedule()` changes, for `restore`."""
         seqs = [*self.waiting, *self.running]
         return (
             list(self.waiting),
@@ -192,8 +147,8 @@ class Scheduler:
         )
 
     def restore(self, snapshot: tuple, stale=()) -> None:
-        """Undo everything since `snapshot()`. `stale`: sequences whose blocks a failed forward may have
-        written into (those preempted in that step); they are recomputed unless preempted again."""
+        """Undo everything since `snapshot()`. `stale`: sequences preempted in the failed step (their
+        blocks may hold its writes): recomputed unless preempted again."""
         waiting, running, seqs, num_preemptions, blocks = snapshot
         self.waiting, self.running = deque(waiting), list(running)
         for seq, status, n, computed in seqs:
@@ -202,19 +157,16 @@ class Scheduler:
         self.block_manager.restore(blocks)
         self._stale.update(s.seq_id for s in stale if s.status is SequenceStatus.RUNNING)
 
-    # -------------------------------------------------------------------------
-    # one step
-
     def _reserve(self, seq: Sequence) -> int:
         """Slots a static policy reserves for `seq` at admission."""
         return self.max_model_len if self.policy == "static" else seq.max_len
 
     def _admit_tokens(self, seq: Sequence) -> int:
-        """Slots `seq` takes when admitted: its tokens (paged), or its reservation (static policies)."""
+        """Slots `seq` takes when admitted: its tokens (paged), or its reservation."""
         return seq.num_tokens if self.policy == "paged" else self._reserve(seq)
 
     def stall_message(self) -> str:
-        """Why nothing can be scheduled although requests wait (for the engine's no-progress error)."""
+        """Why nothing can be scheduled although requests wait (the engine's no-progress error)."""
         bm, head = self.block_manager, self.waiting[0]
         group = [s for s in head.group if s.status is SequenceStatus.WAITING]
         need = self._plan_admission(group)[2]
@@ -228,9 +180,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's batch, allocating or reserving the slots its new tokens go to."""
         out = SchedulerOutput()
-        self._schedule_decodes(out)  # 1) running sequences decode, preempting if the pool runs out
-        self._schedule_admissions(out)  # 2) waiting requests start (or take a chunk) while they fit
-        # 3) the slots of this step's new tokens
+        self._schedule_decodes(out)
+        self._schedule_admissions(out)
         spans = out.spans
         for seq, (start, end) in zip(out.seqs, spans, strict=True):
             out.slot_mapping += self.block_manager.slot_mapping(seq.seq_id, start, end)
@@ -238,9 +189,8 @@ class Scheduler:
         return out
 
     def _schedule_decodes(self, out: SchedulerOutput) -> None:
-        """Every running sequence decodes one token (the one it sampled last step), oldest first; with
-        chunked prefill, those still prefilling get their next chunk in `_schedule_admissions`. While a
-        decode finds no free block, the most recently admitted group is preempted."""
+        """Every running sequence decodes one token, oldest first; while one finds no free block, the most
+        recently admitted group is preempted."""
         bm = self.block_manager
         order = {id(s): i for i, s in enumerate(self.running)}  # admission order
         queue = list(self.running)
@@ -265,8 +215,7 @@ class Scheduler:
             self.waiting.appendleft(seq)
 
     def _preempt_group(self, victim: Sequence, queue: list, out: SchedulerOutput) -> None:
-        """Preempt `victim` and its running siblings (a group is recomputed together), wherever they are
-        in this step's decode pass: still queued, or already given a slot (in out.decodes)."""
+        """Preempt `victim` and its running siblings, whether still queued or already in out.decodes."""
         for seq in victim.group:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # finished, or not admitted
@@ -282,9 +231,8 @@ class Scheduler:
             out.preempted.append(seq)
 
     def _schedule_admissions(self, out: SchedulerOutput) -> None:
-        """Admit waiting requests (FCFS) while they fit; not after a preemption (it would thrash). With
-        chunked prefill, first the running prefills, then the admitted ones take what the token budget
-        has left, a chunk each."""
+        """Admit waiting requests (FCFS) while they fit, not after a preemption (it would thrash); chunked
+        prefill: running prefills first, then admitted ones, a chunk each of the budget left."""
         bm, chunked = self.block_manager, self.enable_chunked_prefill
         budget = self.max_num_batched_tokens - len(out.decodes)
         if chunked:
@@ -310,9 +258,8 @@ class Scheduler:
                 budget -= tokens
 
     def _plan_admission(self, group: list[Sequence]) -> tuple[list, list, int, int]:
-        """How the waiting `group` would start: prefix-cache hits of its first sample, and for each other
-        sample None (it forks the first one: same tokens) or how many of the first one's blocks it
-        shares. Returns (hits, shares, blocks needed, tokens to compute)."""
+        """(prefix-cache hits of the first sample, per other sample None (forks it) or how many of its
+        blocks it shares, blocks needed, tokens to compute) if the waiting `group` were admitted now."""
         bm, bs, first = self.block_manager, self.block_size, group[0]
         if self.policy != "paged":  # static reservations: every sample reserves and computes its own
             need = sum(cdiv(self._reserve(s), bs) for s in group)
@@ -367,9 +314,8 @@ class Scheduler:
             self.running.append(seq)
 
     def mark_computed(self, seq: Sequence, end: int | None = None) -> None:
-        """After a step committed: `seq`'s tokens up to `end` (default: all it holds in the cache) are
-        computed. With prefix caching, the blocks this completed are named by their hash, for later
-        requests to find."""
+        """After a commit: `seq`'s tokens up to `end` (default: all) are computed; with prefix caching,
+        the blocks this filled are named by their hash."""
         end = seq.num_tokens if end is None else end
         start, seq.num_computed_tokens = seq.num_computed_tokens, end
         bs = self.block_size
@@ -377,27 +323,17 @@ class Scheduler:
             self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.block_hashes, start, end)
 
     def usage(self, out: SchedulerOutput | None = None) -> dict:
-        """KV memory (`BlockManager.usage`): slots holding real tokens vs allocated (reserved) vs in the
-        pool, and what sharing saves (see StepStats). A running sequence holds num_tokens - 1 tokens
-        between steps, num_tokens during its forward; during the forward of `out`, prompt slots no chunk
-        has reached yet (chunked prefill) hold nothing."""
+        """KV memory (`BlockManager.usage`), during the forward of `out` if given (prompt slots no chunk
+        has reached yet hold nothing)."""
         usage = self.block_manager.usage(sum(s.num_tokens for s in self.running))
         if out is not None and self.enable_chunked_prefill:
             usage["num_tokens"] -= unreached_slots(self.running, out)
         return usage
 
 
-# -----------------------------------------------------------------------------
-# chunked prefill
-
-
 def schedule_chunks(seqs: list[Sequence], budget: int, out: SchedulerOutput) -> int:
-    """Give each of `seqs` (admitted, still prefilling, oldest first) its next chunk while `budget` tokens
-    last; returns what is left. A sample that forks its first sample (same tokens) computes nothing: it
-    samples from the first's logits in the step its prefill completes. One that shares the first's blocks
-    reads them only once they are computed: the first comes before it, and a chunk goes to a later
-    sequence only when the earlier ones got all they need (this step counts: a forward writes every K/V
-    of a layer before any attention reads it)."""
+    """Give each of `seqs` (prefilling, oldest first) its next chunk while `budget` lasts; returns what is
+    left. A fork computes nothing; a sample sharing its parent's blocks runs once they are computed."""
     for seq in seqs:
         parent = seq.prefill_parent
         parent_end = None if parent is None else out.chunk_ends.get(parent.seq_id, parent.num_computed_tokens)
@@ -416,8 +352,7 @@ def schedule_chunks(seqs: list[Sequence], budget: int, out: SchedulerOutput) -> 
 
 
 def unreached_slots(running: list[Sequence], out: SchedulerOutput) -> int:
-    """Slots allocated for prompt tokens of the `running` sequences that no chunk has reached by the end
-    of the step `out` (a forked sample's are its first sample's)."""
+    """Prompt slots of `running` that no chunk has reached by the end of step `out` (forks: none)."""
     return sum(
         s.prefill_target - out.chunk_ends.get(s.seq_id, s.num_computed_tokens)
         for s in running

@@ -1,5 +1,4 @@
-"""A request's sequence as the scheduler sees it (its tokens, status, generator), and one step's batch
-(SchedulerOutput): prefills first, then decodes, with the slots their new tokens go to."""
+"""A request's sequence as the scheduler sees it, and one step's batch (SchedulerOutput); notebook 06."""
 
 from __future__ import annotations
 
@@ -40,11 +39,8 @@ class Sequence:
         self.index = as_int(index, "index", min=0)  # which of the request's n samples
         self.group: list[Sequence] = [self]  # the request's samples, set by Scheduler.add
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache (a prefill computes the rest)
-        # chunked prefill: the prefill is done once num_computed_tokens reaches prefill_target (its
-        # num_tokens when admitted); a sample that shares its first sample's pages waits for those
-        # (prefill_parent: the first sample, set at admission)
-        self.prefill_target = 0
-        self.prefill_parent: Sequence | None = None
+        self.prefill_target = 0  # chunked prefill: done when num_computed_tokens reaches it
+        self.prefill_parent: Sequence | None = None  # the first sample, whose pages it waits for
         self.block_hashes: list[bytes] = []  # hash chain of its full blocks (prefix caching)
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -54,12 +50,11 @@ class Sequence:
         self.finish_reason: str | None = None  # "length" | "stop" | "abort" | "error" once finished
         self.error: str | None = None  # why, when finish_reason is "error"
         self.num_preemptions = 0
-        # what the engine makes of its tokens (changed only when a step commits)
         self.output_logprobs: list = []  # one entry per output token, when logprobs are asked for
         self.stop_reason: int | str | None = None  # the stop token id or stop string that finished it
         self.text_end: int | None = None  # its text is cut here (before the stop string it produced)
         self.num_streamed: tuple[int, int] = (0, 0)  # (tokens, characters) already streamed
-        # its own generator: its samples do not depend on what else is in the batch, or on preemption
+        # its own generator: its tokens do not depend on the batch, or on preemption
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     @property
@@ -88,8 +83,7 @@ class Sequence:
 
 
 def as_group(seqs: Sequence | list[Sequence]) -> list[Sequence]:
-    """A new request's sequences as a list: one `Sequence`, or the n samples of one prompt (distinct
-    seq_ids, one request_id, one prompt). Refuses anything else, and a sequence that already ran."""
+    """A new request's sequences as a list: one `Sequence`, or the n samples of one prompt."""
     group = [seqs] if isinstance(seqs, Sequence) else list(seqs)
     if not group or not all(isinstance(s, Sequence) for s in group):
         raise InvalidArgumentError(f"add() takes a Sequence or a non-empty list of them, got {seqs!r}")
@@ -122,8 +116,7 @@ class SchedulerOutput:
     num_hit_blocks: int = 0
     num_prefill_tokens: int = 0  # prompt tokens computed in this step (not found cached or shared)
     chunk_ends: dict = field(default_factory=dict)  # chunked prefill: seq_id -> end of its chunk
-    # the counts StepStats copies, under the same names
-    COUNTS = (
+    COUNTS = (  # the counts StepStats copies, under the same names
         "num_prefill_tokens",
         "num_lookup_tokens",
         "num_hit_tokens",
@@ -137,13 +130,12 @@ class SchedulerOutput:
 
     @property
     def partial_prefills(self) -> list[Sequence]:
-        """Prefills whose chunk stops before their last token: they compute K/V but sample nothing."""
+        """Prefills whose chunk stops before their last token: they sample nothing."""
         return [s for s in self.prefills if self.prefill_end(s) < s.num_tokens]
 
     @property
     def spans(self) -> list[tuple[int, int]]:
-        """The tokens [start, end) each of `seqs` computes: a prefill's uncomputed ones (to the end of its
-        chunk), a decode's last one."""
+        """The tokens [start, end) each of `seqs` computes."""
         prefills = [(s.num_computed_tokens, self.prefill_end(s)) for s in self.prefills]
         return prefills + [(s.num_tokens - 1, s.num_tokens) for s in self.decodes]
 
