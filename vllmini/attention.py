@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from vllmini import cuda_kernels
-from vllmini.checks import as_float, cdiv, one_of
+from vllmini.checks import as_float, as_int, cdiv, one_of
 from vllmini.cuda_kernels import KernelVersion, resolve_kernel_version
 from vllmini.errors import InvalidArgumentError, InvalidBlockTableError, InvalidTypeError
 from vllmini.kv_cache import FLOAT_DTYPES, INDEX_DTYPES, check_cache_pair, check_slot_mapping
@@ -426,6 +426,19 @@ def _table_check_mode(validate, backend: str, version: KernelVersion | None, que
     return validate
 
 
+_CALLS: dict[tuple, _Checked] = {}  # a call's signature -> what its checks decided (the fast path)
+MAX_CACHED_CALLS = 256
+
+
+class _Checked(NamedTuple):
+    """What the checks of one call signature decided, so a call of the same signature skips them."""
+
+    backend: str
+    version: KernelVersion
+    scale: float
+    error: torch.Tensor | None  # the device's guard record ("guard"), or None ("trust")
+
+
 def paged_attention(
     query: torch.Tensor,  # (num_seqs, num_heads, head_size)
     key_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_size)
@@ -437,16 +450,43 @@ def paged_attention(
     backend: str = "auto",
     validate: bool | str | None = None,
     kernel_version: int | str | None = None,
+    max_seq_len: int | None = None,
 ) -> torch.Tensor:  # (num_seqs, num_heads, head_size), query's dtype
     """Decode attention through block tables: each sequence's one query token attends to its
-    seq_lens[s] cached tokens. backend, validate (None: see guarded_by_default) and kernel_version (a
-    number or name of kernel_versions(); None: the best): see module doc."""
+    seq_lens[s] cached tokens. backend, validate (None: see guarded_by_default), kernel_version (None:
+    the auto rule of resolve_kernel_version): see the module doc. max_seq_len: max(seq_lens) as the
+    caller knows it on the host (an upper bound will do; None: the tables' width); the kernels cut their
+    context splits from it, and trust it unless validate checks the tables on the host.
+
+    The checks that need no device data run once per call signature (shapes, dtypes, devices, backend,
+    validate, kernel_version, scale): a later call with the same signature and contiguous tensors goes
+    straight to the launcher, at kernel cost."""
+    try:
+        key = (query.shape, query.dtype, query.device, key_cache.shape, key_cache.dtype, key_cache.device,
+               value_cache.shape, value_cache.dtype, value_cache.device, block_tables.shape,
+               block_tables.dtype, block_tables.device, seq_lens.shape, seq_lens.dtype, seq_lens.device,
+               scale, backend, validate, kernel_version)  # fmt: skip
+        known = _CALLS.get(key) if scale is None or type(scale) is float else None
+    except (AttributeError, TypeError):  # not tensors, or an unhashable argument: the checks will say
+        key = known = None
+    tensors = (query, key_cache, value_cache, block_tables, seq_lens)
+    if known is not None and all(t.is_contiguous() for t in tensors):
+        out = torch.empty_like(query)
+        version, error = known.version, known.error
+        return cuda_kernels.launch_paged_attention(
+            tensors, known.scale, out, known.backend, version, error, max_seq_len=max_seq_len
+        )
+    return _checked_paged_attention(tensors, scale, backend, validate, kernel_version, max_seq_len, key)
+
+
+def _checked_paged_attention(tensors, scale, backend, validate, kernel_version, max_seq_len, key):
+    """paged_attention with every check; remembers a signature whose calls need none of them again."""
     one_of(backend, "backend", BACKENDS)
-    args = validate_decode_args(query, key_cache, value_cache, block_tables, seq_lens, scale, tables=False)
+    args = validate_decode_args(*tensors, scale, tables=False)
     backend = resolve_backend(backend, args.query.device, args.query.dtype)
     version = None
     if backend in ("cupy", "emulator"):
-        version = resolve_kernel_version(kernel_version, args.query.dtype)
+        version = cuda_kernels.resolve_call_version(kernel_version, args.query, args.key_cache.shape[2], backend)
     elif kernel_version is not None:
         raise InvalidArgumentError(
             f"kernel_version applies to backends 'cupy' and 'emulator', not {backend!r}; "
@@ -456,12 +496,20 @@ def paged_attention(
     if args.query.shape[0] == 0:
         return torch.empty_like(args.query)
     if mode == "host":
-        args = _with_host_lens(args, block_tables, seq_lens)
+        args = _with_host_lens(args, *tensors[3:])
+        if max_seq_len is not None and as_int(max_seq_len, "max_seq_len") < args.max_seq_len:
+            raise InvalidArgumentError(f"max_seq_len = {max_seq_len} is below max(seq_lens) = {args.max_seq_len}")
     if backend == "torch":
         return _decode_torch(args)
-    out = torch.empty_like(args.query)
     error = cuda_kernels.kernel_error_buffer(args.query.device) if mode == "guard" else None
-    return cuda_kernels.launch_paged_attention(args[:5], args.scale, out, backend, version, error)
+    out = torch.empty_like(args.query)
+    cuda_kernels.launch_paged_attention(args[:5], args.scale, out, backend, version, error, None, None,
+                                        args.max_seq_len if max_seq_len is None else max_seq_len)  # fmt: skip
+    if key is not None and mode != "host" and all(a is t for a, t in zip(args[:5], tensors, strict=True)):
+        if len(_CALLS) >= MAX_CACHED_CALLS:
+            _CALLS.clear()
+        _CALLS[key] = _Checked(backend, version, args.scale, error)
+    return out
 
 
 def paged_prefill_attention(
@@ -523,6 +571,8 @@ class AttentionMetadata:
     host_checked: bool = False
     # slot_mapping may hold -1 rows that were not checked (a CUDA graph's padding): see reshape_and_cache
     has_padding: bool = False
+    # the longest decode sequence, known on the host (build); paged_attention cuts its splits from it
+    max_decode_seq_len: int | None = None
     # (num_seqs,) int64: each sequence's last token
     last_token_indices: torch.Tensor = dataclasses.field(init=False)
 
@@ -588,4 +638,5 @@ class AttentionMetadata:
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
             num_prefills=num_prefills,
             num_prefill_tokens=starts[num_prefills],
+            max_decode_seq_len=max(seq_lens[num_prefills:], default=None),
         )
