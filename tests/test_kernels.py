@@ -487,7 +487,9 @@ def test_cupy_matches_reference(params, version):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize(("version", "params"), half_cases(DECODE_GRID[::2]) + half_cases(DECODE_GRID[1::2])[-8:])
+@pytest.mark.parametrize(
+    ("version", "params"), half_cases(DECODE_GRID[::2]) + half_cases(DECODE_GRID[1::2])[-8:]
+)
 def test_cupy_half_types_match_reference(params, dtype, version):
     case = make_decode_case(30, *params, dtype=dtype, device="cuda")
     out = launch(case, "cupy", version)

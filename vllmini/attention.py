@@ -437,6 +437,7 @@ class _Checked(NamedTuple):
     version: KernelVersion
     scale: float
     error: torch.Tensor | None  # the device's guard record ("guard"), or None ("trust")
+    calls: dict  # max_seq_len -> cuda_kernels.PreparedCall
 
 
 def paged_attention(
@@ -459,8 +460,9 @@ def paged_attention(
     context splits from it, and trust it unless validate checks the tables on the host.
 
     The checks that need no device data run once per call signature (shapes, dtypes, devices, backend,
-    validate, kernel_version, scale): a later call with the same signature and contiguous tensors goes
-    straight to the launcher, at kernel cost."""
+    validate, kernel_version, scale): a later call of that signature with contiguous tensors goes
+    straight to the planned launch (cuda_kernels.plan_call), at kernel cost."""
+    tensors = (query, key_cache, value_cache, block_tables, seq_lens)
     try:
         key = (query.shape, query.dtype, query.device, key_cache.shape, key_cache.dtype, key_cache.device,
                value_cache.shape, value_cache.dtype, value_cache.device, block_tables.shape,
@@ -469,13 +471,21 @@ def paged_attention(
         known = _CALLS.get(key) if scale is None or type(scale) is float else None
     except (AttributeError, TypeError):  # not tensors, or an unhashable argument: the checks will say
         key = known = None
-    tensors = (query, key_cache, value_cache, block_tables, seq_lens)
-    if known is not None and all(t.is_contiguous() for t in tensors):
-        out = torch.empty_like(query)
-        version, error = known.version, known.error
-        return cuda_kernels.launch_paged_attention(
-            tensors, known.scale, out, known.backend, version, error, max_seq_len=max_seq_len
-        )
+    if (
+        known is not None
+        and query.is_contiguous()
+        and key_cache.is_contiguous()
+        and value_cache.is_contiguous()
+        and block_tables.is_contiguous()
+        and seq_lens.is_contiguous()
+        and (max_seq_len is None or type(max_seq_len) is int)
+    ):
+        call = known.calls.get(max_seq_len)
+        if call is None:
+            shapes = (query.shape, key_cache.shape, block_tables.shape[1], None, max_seq_len)
+            call = cuda_kernels.plan_call(known.version, known.backend, query.device, query.dtype, *shapes)
+            known.calls[max_seq_len] = call
+        return call.run(tensors, torch.empty_like(query), known.error, known.scale)
     return _checked_paged_attention(tensors, scale, backend, validate, kernel_version, max_seq_len, key)
 
 
@@ -486,7 +496,9 @@ def _checked_paged_attention(tensors, scale, backend, validate, kernel_version, 
     backend = resolve_backend(backend, args.query.device, args.query.dtype)
     version = None
     if backend in ("cupy", "emulator"):
-        version = cuda_kernels.resolve_call_version(kernel_version, args.query, args.key_cache.shape[2], backend)
+        version = cuda_kernels.resolve_call_version(
+            kernel_version, args.query, args.key_cache.shape[2], backend
+        )
     elif kernel_version is not None:
         raise InvalidArgumentError(
             f"kernel_version applies to backends 'cupy' and 'emulator', not {backend!r}; "
@@ -498,7 +510,9 @@ def _checked_paged_attention(tensors, scale, backend, validate, kernel_version, 
     if mode == "host":
         args = _with_host_lens(args, *tensors[3:])
         if max_seq_len is not None and as_int(max_seq_len, "max_seq_len") < args.max_seq_len:
-            raise InvalidArgumentError(f"max_seq_len = {max_seq_len} is below max(seq_lens) = {args.max_seq_len}")
+            raise InvalidArgumentError(
+                f"max_seq_len = {max_seq_len} is below max(seq_lens) = {args.max_seq_len}"
+            )
     if backend == "torch":
         return _decode_torch(args)
     error = cuda_kernels.kernel_error_buffer(args.query.device) if mode == "guard" else None
@@ -508,7 +522,7 @@ def _checked_paged_attention(tensors, scale, backend, validate, kernel_version, 
     if key is not None and mode != "host" and all(a is t for a, t in zip(args[:5], tensors, strict=True)):
         if len(_CALLS) >= MAX_CACHED_CALLS:
             _CALLS.clear()
-        _CALLS[key] = _Checked(backend, version, args.scale, error)
+        _CALLS[key] = _Checked(backend, version, args.scale, error, {})
     return out
 
 

@@ -458,69 +458,70 @@ def launch_paged_attention(
     max_seq_len: int | None = None,
 ) -> torch.Tensor:
     """`paged_attention_kernel` after its checks, for a caller that made the same ones
-    (vllmini.paged_attention). What depends on the shapes alone is worked out once per shape (`_prepare`);
-    a call allocates the split's partials, gathers the pointers and launches, the same on both runtimes."""
-    query, key_cache, value_cache, block_tables, _ = inputs
-    device = query.device
+    (vllmini.paged_attention): `plan_call` (once per shape), then its `run`."""
+    query, key_cache, _, block_tables, _ = inputs
     shapes = (query.shape, key_cache.shape, block_tables.shape[1])
-    prep = _prepare(kernel, runtime, device, query.dtype, *shapes, num_splits, max_seq_len, source)
-    if prep is None:  # an empty batch
-        return out
-    if (query.data_ptr() | key_cache.data_ptr() | value_cache.data_ptr()) & 15:
-        # the kernels read 16-byte vectors: a view that starts mid-row (a rare, odd storage offset) is copied
-        inputs = tuple(t if t.data_ptr() % 16 == 0 else t.clone() for t in inputs)
-    pointers, plan = [t.data_ptr() for t in inputs], prep.plan
-    if kernel.number < 5:  # versions 1-4 write float32: a 16-bit out is rounded once, after
-        out_raw = out if out.dtype == torch.float32 else torch.empty(out.shape, device=device)
-        values, merge_values = (out_raw.data_ptr(), *pointers, *prep.ints, scale), None
-    else:
-        out_raw, part_out, part_ml = out, 0, 0
-        if prep.merge is not None:
-            part = torch.empty(prep.part_floats, dtype=torch.float32, device=device)  # part_out, part_ml
-            part_out = part.data_ptr()
-            part_ml = part_out + 4 * plan.grid[0] * query.shape[1] * plan.num_splits * query.shape[2]
-        err = 0 if error is None else error.data_ptr()
-        values = (out.data_ptr(), part_out, part_ml, *pointers, err, *prep.ints, scale)
-        merge_values = (out.data_ptr(), part_out, part_ml, plan.num_splits, query.shape[2])
-    if runtime == "cupy" and torch.cuda.current_device() != device.index:
-        with torch.cuda.device(device.index):  # the kernels belong to the device's context
-            _launch(prep, device, values, merge_values)
-    else:
-        _launch(prep, device, values, merge_values)
-    if out_raw is not out:
-        out.copy_(out_raw)
-    return out
+    call = plan_call(kernel, runtime, query.device, query.dtype, *shapes, num_splits, max_seq_len, source)
+    return out if call is None else call.run(inputs, out, error, scale)
 
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # torch's current stream, as an int
 
 
-def _launch(prep: _Prepared, device: torch.device, values: tuple, merge_values: tuple | None) -> None:
-    """The main kernel, then the merge of a split context, on torch's current stream."""
-    stream = 0
-    if device.type == "cuda":
-        stream = _raw_stream(device.index) if _raw_stream else torch.cuda.current_stream(device).cuda_stream
-    plan = prep.plan
-    prep.main(plan.grid, plan.block, plan.shared_mem, stream, *values)
-    if prep.merge is not None:
-        grid = (plan.grid[0], plan.grid[1] * plan.heads_per_block, 1)  # (sequence, query head)
-        prep.merge(grid, (MERGE_THREADS, 1, 1), 0, stream, *merge_values)
-
-
-class _Prepared(NamedTuple):
-    """What every call of one shape shares (`_prepare`)."""
+class PreparedCall(NamedTuple):
+    """Everything the calls of one shape share (`plan_call`); `run` launches one call."""
 
     plan: LaunchPlan
     main: object  # the kernel, called as (grid, block, shared_mem, stream, *values): a _Packer or _Emulated
     merge: object | None  # the same for the merge kernel when the context is split, else None
     ints: tuple[int, ...]  # the main kernel's int32 arguments, in its signature's order
     part_floats: int  # floats of part_out and part_ml together, 0 without a split
+    device: torch.device
+    number: int  # the kernel version
+
+    def run(self, inputs: tuple, out: torch.Tensor, error: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """Allocate the split's partials, gather the pointers, launch on torch's current stream: fills out."""
+        query, key_cache, value_cache = inputs[:3]
+        if (query.data_ptr() | key_cache.data_ptr() | value_cache.data_ptr()) & 15:
+            # the kernels read 16-byte vectors: a view that starts mid-row (an odd storage offset) is copied
+            inputs = tuple(t if t.data_ptr() % 16 == 0 else t.clone() for t in inputs)
+        pointers, plan, device = [t.data_ptr() for t in inputs], self.plan, self.device
+        out_raw, part_out, part_ml = out, 0, 0
+        if self.number < 5:  # versions 1-4 write float32: a 16-bit out is rounded once, after
+            out_raw = out if out.dtype == torch.float32 else torch.empty(out.shape, device=device)
+            values = (out_raw.data_ptr(), *pointers, *self.ints, scale)
+        else:
+            if self.merge is not None:
+                part = torch.empty(self.part_floats, dtype=torch.float32, device=device)  # part_out, part_ml
+                part_out = part.data_ptr()
+                part_ml = part_out + 4 * self.part_floats // (self.ints[3] + 2) * self.ints[3]
+            err = 0 if error is None else error.data_ptr()
+            values = (out.data_ptr(), part_out, part_ml, *pointers, err, *self.ints, scale)
+        stream = 0
+        if device.type == "cuda":
+            if torch.cuda.current_device() != device.index:
+                with torch.cuda.device(device.index):  # the kernels belong to the device's context
+                    return self.run(inputs, out, error, scale)
+            stream = (
+                _raw_stream(device.index) if _raw_stream else torch.cuda.current_stream(device).cuda_stream
+            )
+        self.main(plan.grid, plan.block, plan.shared_mem, stream, *values)
+        if self.merge is not None:
+            grid = (plan.grid[0], plan.grid[1] * plan.heads_per_block, 1)  # (sequence, query head)
+            merge_values = (out.data_ptr(), part_out, part_ml, plan.num_splits, self.ints[3])
+            self.merge(grid, (MERGE_THREADS, 1, 1), 0, stream, *merge_values)
+        if out_raw is not out:
+            out.copy_(out_raw)
+        return out
 
 
 @functools.lru_cache(maxsize=1024)
-def _prepare(kernel, runtime, device, dtype, q_shape, kc_shape, width, num_splits, max_seq_len, source):
-    """For one shape: the checks that depend on the launch alone (head size, grid, tensor cores, shared
-    memory, max_seq_len's range), the plan, the kernels and their int arguments; None for an empty batch."""
+def plan_call(
+    kernel, runtime, device, dtype, q_shape, kc_shape, width, num_splits=None, max_seq_len=None, source=None
+) -> PreparedCall | None:
+    """The plan half of a call, for one shape (cached): the checks that depend on the launch alone (head
+    size, grid, tensor cores, shared memory, max_seq_len's range), the plan, the kernels and their int
+    arguments; None for an empty batch."""
     (num_seqs, num_heads, head_size), (num_blocks, block_size, num_kv_heads, _) = q_shape, kc_shape
     if kernel.number == 6 and head_size not in TENSOR_CORE_HEAD_SIZES:
         raise InvalidArgumentError(f"kernel version 6 supports head_size 64 or 128, got {head_size}")
@@ -561,12 +562,12 @@ def _prepare(kernel, runtime, device, dtype, q_shape, kc_shape, width, num_split
             main.max_dynamic_shared_size_bytes = plan.shared_mem  # opt in (raises if the GPU has less)
         main, merge = _Packer(main, 9 if kernel.number >= 5 else 6, len(ints)), merge and _Packer(merge, 3, 2)
     part_floats = num_seqs * num_heads * plan.num_splits * (head_size + 2) if split else 0
-    return _Prepared(plan, main, merge, ints, part_floats)
+    return PreparedCall(plan, main, merge, ints, part_floats, device, kernel.number)
 
 
 class _Packer:
     """A cupy kernel and its argument buffer for cuLaunchKernel, made once per shape: each argument in an
-    8-byte slot (the pointers, the int32s, then the attention kernels' float32 scale), `params` the void** array
+    8-byte slot (pointers, int32s, then the attention kernels' float32 scale), `params` the void** array
     pointing at the slots. A launch packs its values into the buffer and the driver copies them, so the
     buffer is free again when the call returns (one thread at a time, as the engine runs)."""
 
