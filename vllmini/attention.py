@@ -273,8 +273,7 @@ def _decode_torch(args: DecodeArgs) -> torch.Tensor:
     """Naive paged decode: gather every sequence's pages (padded to the longest), then SDPA. Positions
     from args.min_seq_len (known on the host after its check, else 0) up need masking."""
     q, kc, vc, min_seq_len = args.query, args.key_cache, args.value_cache, args.min_seq_len
-    num_seqs, num_heads, head_size = q.shape
-    block_size, num_kv_heads = kc.shape[1], kc.shape[2]
+    (num_seqs, num_heads, head_size), (_, block_size, num_kv_heads, _) = q.shape, kc.shape
     group, L = num_heads // num_kv_heads, args.max_seq_len  # query heads per kv head, longest sequence
     nb, ragged = cdiv(L, block_size), min_seq_len < L  # blocks of the longest; shorter tails to mask
     lens = args.seq_lens[:, None]  # (S, 1)
@@ -305,8 +304,7 @@ def _prefill_torch(args: PrefillArgs) -> torch.Tensor:
     (query row j of sequence s sits at position lens[s] - n_s + j: chunks that start mid-sequence work)
     and cuts each sequence at its length. The indices come from validation's host copies (no sync)."""
     q, kc, vc, lens, starts = args.query, args.key_cache, args.value_cache, args.lens_host, args.starts_host
-    num_tokens, num_heads, head_size = q.shape
-    block_size, num_kv_heads = kc.shape[1], kc.shape[2]
+    (num_tokens, num_heads, head_size), (_, block_size, num_kv_heads, _) = q.shape, kc.shape
     group, S, L, N, device = (
         num_heads // num_kv_heads,
         len(lens),
@@ -411,7 +409,7 @@ MAX_CACHED_CALLS = 256
 
 
 class _Checked(NamedTuple):
-    """What the checks of one call signature decided, so a call of the same signature skips them."""
+    """What the checks of one call signature decided."""
 
     backend: str
     version: KernelVersion
@@ -475,7 +473,7 @@ def _checked_paged_attention(tensors, scale, backend, validate, kernel_version, 
             f"got {kernel_version!r}"
         )
     mode = _table_check_mode(validate, backend, version, args.query)
-    if args.query.shape[0] == 0:
+    if args.query.shape[0] == 0:  # an empty batch
         return torch.empty_like(args.query)
     if mode == "host":
         args = _with_host_lens(args, *tensors[3:])
@@ -538,12 +536,9 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
 
 @dataclasses.dataclass
 class AttentionMetadata:
-    """Where this step's tokens go in the cache and what each sequence reads.
-
-    Sequences are ordered prefills first, then decodes (one new token each). Sequence i's new tokens
-    are input_ids[query_start_loc[i]:query_start_loc[i+1]], and they are its last ones: after this
-    step it holds seq_lens[i] tokens in the cache.
-    """
+    """Where this step's tokens go in the cache and what each sequence reads: prefills first, then decodes
+    (one new token each); sequence i's new tokens, input_ids[query_start_loc[i]:query_start_loc[i+1]], are
+    its last ones (after this step it holds seq_lens[i] tokens in the cache)."""
 
     slot_mapping: torch.Tensor  # (num_tokens,) int64: cache slot of each new token
     block_tables: torch.Tensor  # (num_seqs, max_num_blocks_per_seq) int32, padded with -1
@@ -551,22 +546,17 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # (num_seqs + 1,) int32: cumulative new tokens
     num_prefills: int  # the first num_prefills sequences use the prefill path
     num_prefill_tokens: int  # = query_start_loc[num_prefills]
-    # True once `check_on_host` passed (the forward then skips its own checks, each a sync on a GPU)
-    host_checked: bool = False
-    # slot_mapping may hold -1 rows that were not checked (a CUDA graph's padding): see reshape_and_cache
-    has_padding: bool = False
-    # the longest decode sequence, known on the host (build); paged_attention cuts its splits from it
-    max_decode_seq_len: int | None = None
-    # (num_seqs,) int64: each sequence's last token
-    last_token_indices: torch.Tensor = dataclasses.field(init=False)
+    host_checked: bool = False  # `check_on_host` passed: the forward skips its own checks (GPU syncs)
+    has_padding: bool = False  # slot_mapping may hold unchecked -1 rows (a CUDA graph's padding)
+    max_decode_seq_len: int | None = None  # the longest decode, known on the host: the kernels' splits
+    last_token_indices: torch.Tensor = dataclasses.field(init=False)  # (num_seqs,) int64
 
     def __post_init__(self):
         self.last_token_indices = self.query_start_loc[1:].to(torch.int64) - 1
 
     def check_on_host(self, num_blocks: int, block_size: int, *, tables: bool = True) -> None:
-        """Check slot_mapping (and, with tables, the decode rows' block tables) while they are still on
-        the host (free for CPU tensors), so the GPU forward needs no sync for it. The engine calls this
-        on the metadata it builds on the CPU, then `to(device)`."""
+        """Check slot_mapping (and, with tables, the decode rows' tables) while still on the host, so the
+        GPU forward needs no sync for it (the engine: on the CPU metadata it builds, then `to(device)`)."""
         check_slot_mapping(self.slot_mapping, num_blocks * block_size, allow_padding=False)
         if tables and self.num_decodes:
             n = self.num_prefills

@@ -1,13 +1,9 @@
-"""The CUDA kernels of kernels/*.cu: which exist (the registry), how one call is shaped (the launch plan),
-and how they are compiled and launched on torch tensors, in two runtimes of the same source:
-    "cupy"      NVRTC-compiled through cupy.RawModule (once per device), launched on torch's current
-                stream straight through cuLaunchKernel, arguments packed into a buffer made once per shape.
-    "emulator"  vllmini.emulator.RawKernel: the unmodified source compiled for the CPU (tests, CI, laptops).
-The .cu files are plain text (vllmini/kernels/ in a wheel, the top-level kernels/ in a checkout), one file
-per idea: kernels/paged_attention_<n>_<what it adds>.cu (VERSIONS). compile_for_arch() compiles a source
-for any architecture with CuPy's NVRTC binding, no GPU needed: that is how CI checks every kernel.
-Two ways in: `paged_attention_kernel` checks its arguments and launches one version;
-vllmini.paged_attention checks its own and calls `launch_paged_attention`.
+"""The CUDA kernels of kernels/paged_attention_<n>_<what it adds>.cu (plain text; vllmini/kernels/ in a
+wheel): which exist (VERSIONS), how a call is shaped (launch_plan), how it is compiled and launched on
+torch tensors: "cupy" (NVRTC through cupy.RawModule once per device, cuLaunchKernel on torch's current
+stream) or "emulator" (vllmini.emulator: the same source on the CPU). compile_for_arch() needs no GPU: CI
+compiles every kernel with it. `paged_attention_kernel` checks its arguments and launches one version;
+vllmini.paged_attention checks its own and calls `launch_paged_attention` (plan_call, then run).
 """
 
 from __future__ import annotations
@@ -52,6 +48,7 @@ MIN_SPLIT_TOKENS = 256  # no context piece shorter than this (the merge would co
 MERGE_THREADS = 128
 ERROR_FIELDS = 5  # the guard's record: flag, sequence, table entry (-1: seq_lens), value, limit
 
+_cupy_modules: dict[tuple, object] = {}  # (file, device, source, options) -> cupy.RawModule
 _error_buffers: dict[torch.device, torch.Tensor] = {}  # device -> int32 [ERROR_FIELDS], zero when clean
 
 
@@ -153,13 +150,9 @@ def resolve_kernel_version(
     group: int = 1,
     tensor_cores: bool = True,
 ) -> KernelVersion:
-    """A KernelVersion from a number (4), a name ("half_warps"), a stem ("4_half_warps") or itself.
-
-    None picks the best for the call (the auto rule): version 6 for float16/bfloat16 with head size 64 or
-    128 and a GQA group > 1 (num_heads / num_kv_heads) on a GPU with tensor cores (sm_80+; the emulator
-    models them); version 5 otherwise (MHA, float32, other head sizes, older GPUs), the highest-numbered
-    version below 6 with an entry point for `dtype`. Both then choose their own heads per block and
-    context splits (launch_plan)."""
+    """A KernelVersion from a number (4), a name ("half_warps"), a stem ("4_half_warps") or itself. None:
+    the auto rule, version 6 for float16/bfloat16, head size 64 or 128, a GQA group > 1 and tensor cores
+    (sm_80+; the emulator models them), version 5 otherwise (MHA, float32, other heads, older GPUs)."""
     versions = kernel_versions()
     if isinstance(version, KernelVersion):
         chosen = version
@@ -172,7 +165,7 @@ def resolve_kernel_version(
             raise InvalidTypeError(
                 f"no paged-attention kernel takes {dtype}; kernels exist for {FLOAT_DTYPES}"
             )
-        return max(usable, key=lambda v: v.number)
+        return usable[-1]
     elif isinstance(version, str):
         found = [v for v in versions.values() if version in (v.name, f"{v.number}_{v.name}", v.file)]
         if not found:
@@ -234,18 +227,14 @@ def launch_plan(
     num_splits: int | None = None,
     max_seq_len: int | None = None,
 ) -> LaunchPlan:
-    """The launch of `version` for these sizes on a GPU with `sms` multiprocessors (cached).
-
-    Versions 1-4: one block per (sequence, query head). Versions 5-6: one block per (sequence, group of
-    heads_per_block query heads sharing a KV head, context piece). Version 5: heads_per_block is the
-    largest of 4, 2, 1 dividing the GQA group (2 at most for 16-bit head sizes above 128: registers); the
-    context is split until the grid has SPLIT_TARGET_BLOCKS_PER_SM blocks per SM. Version 6: the largest
-    divisor of the group up to 16 (the mma tile's rows); a grid that fits one wave of
-    TENSOR_CORE_BLOCKS_PER_SM blocks per SM is split to fill it, a larger one into the 1-4 pieces whose
-    last wave is fullest. No piece is shorter than MIN_SPLIT_TOKENS tokens. The pieces are cut from
-    max_seq_len, the longest sequence as the host knows it (never read from the device; None: the table's
-    width, max_num_blocks_per_seq * block_size); a piece past a shorter sequence's end exits at once.
-    `num_splits` forces a count."""
+    """The launch of `version` for these sizes on a GPU with `sms` multiprocessors (cached). Versions 1-4:
+    a block per (sequence, query head); 5-6: per (sequence, heads_per_block query heads of a GQA group,
+    context piece). Version 5: heads_per_block the largest of 4, 2, 1 dividing the group (2 at most for
+    16-bit heads above 128), splits until SPLIT_TARGET_BLOCKS_PER_SM blocks per SM. Version 6: the group's
+    largest divisor up to 16 (the mma tile's rows); a grid within one wave of TENSOR_CORE_BLOCKS_PER_SM
+    per SM is split to fill it, a larger one into the 1-4 pieces whose last wave is fullest. No piece
+    under MIN_SPLIT_TOKENS; pieces cut from max_seq_len, the longest sequence as the host knows it
+    (None: the table's width); `num_splits` forces a count."""
     chunks = cdiv(head_size, WARP_SIZE)  # 32-dim chunks of a head
     if version.number < 5:
         if version.number == 1:
@@ -256,12 +245,8 @@ def launch_plan(
             (num_seqs, num_heads, 1), (version.threads, 1, 1), shared_mem, 1, 1, max_num_blocks_per_seq, ()
         )
     group = num_heads // num_kv_heads
-    used = (
-        max_num_blocks_per_seq
-        if max_seq_len is None
-        else min(cdiv(max_seq_len, block_size), max_num_blocks_per_seq)
-    )
-    longest = used * block_size if max_seq_len is None else max_seq_len
+    longest = max_num_blocks_per_seq * block_size if max_seq_len is None else max_seq_len
+    used = min(cdiv(longest, block_size), max_num_blocks_per_seq)  # the pages the pieces cover
     if version.number == 5:
         sixteen = dtype != torch.float32
         hb_max = 1 if group == 1 else (2 if sixteen and chunks > 4 else 4)
@@ -348,24 +333,18 @@ def compile_for_arch(
 
 
 @functools.cache
-def _cupy_module(file: str, device: int, source: str | None, options: tuple[str, ...]):
-    import cupy
-
-    with cupy.cuda.Device(device):
-        code = read_kernel_source(file) if source is None else source
-        return cupy.RawModule(code=code, options=(*NVRTC_OPTIONS, *options))
-
-
-@functools.cache
-def _cupy_kernel(
-    file: str, function: str, device: int, source: str | None = None, options: tuple[str, ...] = ()
-):
+def _cupy_kernel(file: str, function: str, device: int, source: str | None = None, options: tuple = ()):
     """cupy.RawKernel for kernels/<file>.cu::function on a device, compiled once per device and set of
     extra NVRTC options. `source` replaces the file's text (benchmarks comparing variants)."""
     import cupy
 
     with cupy.cuda.Device(device):
-        return _cupy_module(file, device, source, options).get_function(function)
+        if (file, device, source, options) not in _cupy_modules:
+            code = read_kernel_source(file) if source is None else source
+            _cupy_modules[file, device, source, options] = cupy.RawModule(
+                code=code, options=(*NVRTC_OPTIONS, *options)
+            )
+        return _cupy_modules[file, device, source, options].get_function(function)
 
 
 @functools.cache
@@ -395,13 +374,11 @@ def paged_attention_kernel(
     source: str | None = None,
     max_seq_len: int | None = None,
 ) -> torch.Tensor:
-    """Launch one kernel version (None: the auto rule, resolve_kernel_version) on contiguous inputs; fills
-    and returns out, sync-free. Checks first what no kernel survives (runtime and devices, dtypes, layout,
-    a guard record for a version without a guard). runtime "cupy" needs CUDA tensors, "emulator" CPU
-    tensors. `error` turns on the in-kernel guard: bad page ids are never read, their rows come out NaN
-    and the first one is recorded (check_kernel_errors); without it the kernel trusts the tables.
-    `num_splits` forces the context split (tests); `max_seq_len` is the longest sequence as the host knows
-    it (launch_plan); `source` (cupy only) launches another text with the same arguments (benchmarks)."""
+    """Launch one kernel version (None: the auto rule) on contiguous inputs, sync-free; fills and returns
+    out. Checks first what no kernel survives (runtime and devices, dtypes, layout, a guard record for a
+    version without a guard). `error` turns on the in-kernel guard (bad page ids never read, their rows
+    NaN, the first recorded: check_kernel_errors). `num_splits` forces the split (tests), `max_seq_len`:
+    launch_plan; `source` (cupy) launches another text with the same arguments (benchmarks)."""
     one_of(runtime, "runtime", RUNTIMES)
     tensors = (query, key_cache, value_cache, block_tables, seq_lens, out)
     names = ("query", "key_cache", "value_cache", "block_tables", "seq_lens", "out")
@@ -432,17 +409,15 @@ def paged_attention_kernel(
 
 
 def resolve_call_version(version, query: torch.Tensor, num_kv_heads: int, runtime: str) -> KernelVersion:
-    """resolve_kernel_version for a call on `query` (its dtype, head size and GQA group, and whether its
-    GPU has tensor cores); num_heads must be a multiple of num_kv_heads."""
+    """resolve_kernel_version for a call on `query`: its dtype, head size, GQA group, GPU."""
     num_heads, head_size = query.shape[1], query.shape[2]
     if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
         raise InvalidArgumentError(
             f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})"
         )
-    tensor_cores = runtime == "emulator" or has_tensor_cores(query.device.index)
-    group = num_heads // num_kv_heads
+    cores = runtime == "emulator" or has_tensor_cores(query.device.index)
     return resolve_kernel_version(
-        version, query.dtype, head_size=head_size, group=group, tensor_cores=tensor_cores
+        version, query.dtype, head_size=head_size, group=num_heads // num_kv_heads, tensor_cores=cores
     )
 
 
