@@ -102,11 +102,7 @@ def _check_query(query, key_cache, value_cache, scale, what: str) -> float:
         raise InvalidArgumentError(f"query is on {query.device} but the caches are on {key_cache.device}")
     if query.shape[2] != head_size:
         raise InvalidArgumentError(f"query head_size {query.shape[2]} != cache head_size {head_size}")
-    num_heads = query.shape[1]
-    if num_heads < 1 or num_heads % num_kv_heads != 0:
-        raise InvalidArgumentError(
-            f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})"
-        )
+    cuda_kernels.check_head_layout(query.shape[1], num_kv_heads)
     return head_size**-0.5 if scale is None else as_float(scale, "scale")
 
 
@@ -233,8 +229,8 @@ def validate_prefill_args(
     query_start_loc: torch.Tensor,  # (num_seqs + 1,)
     scale: float | None = None,
 ) -> PrefillArgs:
-    """Like `validate_decode_args`, plus query_start_loc: starts at 0, ends at num_tokens, and each
-    sequence has 1 .. seq_len new tokens (its last ones). One device->host copy for all three."""
+    """`validate_decode_args` plus query_start_loc (0 .. num_tokens, 1 .. seq_len new tokens a sequence);
+    one device->host copy for all three index tensors."""
     scale = _check_query(query, key_cache, value_cache, scale, "num_tokens")
     num_seqs = _check_table_shapes(key_cache, block_tables, seq_lens, None)
     _check_index_tensor("query_start_loc", query_start_loc, "[num_seqs + 1]", 1, key_cache.device)
@@ -266,9 +262,6 @@ def validate_prefill_args(
     return PrefillArgs(*tensors, scale, longest, longest_query, lens, starts)
 
 
-# ----------------------------------------------------------------------------- the torch backend
-
-
 def _decode_torch(args: DecodeArgs) -> torch.Tensor:
     """Naive paged decode: gather every sequence's pages (padded to the longest), then SDPA. Positions
     from args.min_seq_len (known on the host after its check, else 0) up need masking."""
@@ -281,7 +274,6 @@ def _decode_torch(args: DecodeArgs) -> torch.Tensor:
     if ragged:  # a shorter sequence's padding entries may hold anything: read page 0 instead (zeroed below)
         used = torch.arange(nb, device=q.device)[None, :] * block_size < lens  # (S, nb)
         pages = torch.where(used, pages, 0)
-    # the gather: indexing dim 0 of the pool copies whole pages (the fastest gather torch has)
     k = kc[pages].flatten(1, 2)[:, :L]  # (S, nb, bs, kvh, hs) -> (S, L, kvh, hs), a view
     v = vc[pages].flatten(1, 2)[:, :L]
     mask = None
@@ -404,18 +396,10 @@ def _table_check_mode(validate, backend: str, version: KernelVersion | None, que
     return validate
 
 
-_CALLS: dict[tuple, _Checked] = {}  # a call's signature -> what its checks decided (the fast path)
+# a call's signature -> what its checks decided: (backend, version, scale, the guard's record or None
+# for "trust", {max_seq_len: cuda_kernels.PreparedCall}); the fast path of paged_attention
+_CALLS: dict[tuple, tuple] = {}
 MAX_CACHED_CALLS = 256
-
-
-class _Checked(NamedTuple):
-    """What the checks of one call signature decided."""
-
-    backend: str
-    version: KernelVersion
-    scale: float
-    error: torch.Tensor | None  # the device's guard record ("guard"), or None ("trust")
-    calls: dict  # max_seq_len -> cuda_kernels.PreparedCall
 
 
 def paged_attention(
@@ -448,12 +432,13 @@ def paged_attention(
         key = known = None
     fast = known is not None and (max_seq_len is None or type(max_seq_len) is int)
     if fast and all(map(torch.Tensor.is_contiguous, tensors)):
-        call = known.calls.get(max_seq_len)
-        if call is None:
+        backend, version, scale, error, calls = known
+        if (call := calls.get(max_seq_len)) is None:
             shapes = (query.shape, key_cache.shape, block_tables.shape[1], None, max_seq_len)
-            call = cuda_kernels.plan_call(known.version, known.backend, query.device, query.dtype, *shapes)
-            known.calls[max_seq_len] = call
-        return call.run(tensors, torch.empty_like(query), known.error, known.scale)
+            call = calls[max_seq_len] = cuda_kernels.plan_call(
+                version, backend, query.device, query.dtype, *shapes
+            )
+        return call.run(tensors, torch.empty_like(query), error, scale)
     return _checked_paged_attention(tensors, scale, backend, validate, kernel_version, max_seq_len, key)
 
 
@@ -473,7 +458,7 @@ def _checked_paged_attention(tensors, scale, backend, validate, kernel_version, 
             f"got {kernel_version!r}"
         )
     mode = _table_check_mode(validate, backend, version, args.query)
-    if args.query.shape[0] == 0:  # an empty batch
+    if args.query.shape[0] == 0:
         return torch.empty_like(args.query)
     if mode == "host":
         args = _with_host_lens(args, *tensors[3:])
@@ -490,7 +475,7 @@ def _checked_paged_attention(tensors, scale, backend, validate, kernel_version, 
     if key is not None and mode != "host" and all(a is t for a, t in zip(args[:5], tensors, strict=True)):
         if len(_CALLS) >= MAX_CACHED_CALLS:
             _CALLS.clear()
-        _CALLS[key] = _Checked(backend, version, args.scale, error, {})
+        _CALLS[key] = (backend, version, args.scale, error, {})
     return out
 
 
@@ -505,8 +490,8 @@ def paged_prefill_attention(
     *,
     backend: str = "auto",
 ) -> torch.Tensor:  # (num_tokens, num_heads, head_size)
-    """Causal attention for each sequence's new tokens (its last ones, already in the cache) over its
-    whole cached context. Serves whole prompts and chunks that start mid-sequence. Only "torch"."""
+    """Causal attention of each sequence's new tokens (its last, already cached) over its whole context:
+    whole prompts and chunks that start mid-sequence. Only "torch"."""
     one_of(backend, "backend", BACKENDS)
     if backend not in ("auto", "torch"):
         raise InvalidArgumentError(
@@ -522,8 +507,7 @@ def paged_prefill_attention(
 
 
 def to_device(t: torch.Tensor, device) -> torch.Tensor:
-    """`t` on `device`. A CPU tensor goes to CUDA through pinned memory, non-blocking: no host sync (a
-    plain .to() from pageable memory waits for the copy)."""
+    """`t` on `device`; CPU -> CUDA through pinned memory, non-blocking (no host sync, unlike `.to()`)."""
     device = torch.device(device)
     if device.type == "cuda" and t.device.type == "cpu":
         return t.pin_memory().to(device, non_blocking=True)

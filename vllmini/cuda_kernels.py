@@ -192,9 +192,6 @@ def has_tensor_cores(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= TENSOR_CORE_ARCH
 
 
-# ----------------------------------------------------------------------------- the launch plan
-
-
 class LaunchPlan(NamedTuple):
     """How one call launches a version: the main kernel's shape and, for versions 5-6, its work split."""
 
@@ -280,14 +277,8 @@ def _num_splits(number: int, blocks: int, slots: int, longest: int) -> int:
         return 1 if blocks >= slots else min(cdiv(slots, blocks), most)
     if blocks <= slots:  # one wave or less: fill it
         return max(1, min(slots // blocks, most))
-    # whole waves: the count whose last wave is fullest (ceil(w) / w smallest, w = waves)
-    return min(
-        range(1, min(MAX_TENSOR_CORE_SPLITS, most) + 1),
-        key=lambda s: cdiv(blocks * s, slots) * slots / (blocks * s),
-    )
-
-
-# ----------------------------------------------------------------------------- compiling
+    fill = lambda s: cdiv(blocks * s, slots) * slots / (blocks * s)  # noqa: E731  (ceil(waves) / waves)
+    return min(range(1, min(MAX_TENSOR_CORE_SPLITS, most) + 1), key=fill)  # the fullest last wave
 
 
 def _nvrtc():
@@ -355,9 +346,6 @@ def _emulator_kernel(file: str, function: str):
     return RawKernel(read_kernel_source(file), function)
 
 
-# ----------------------------------------------------------------------------- launching any version
-
-
 def paged_attention_kernel(
     query: torch.Tensor,  # [num_seqs, num_heads, head_size]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
@@ -408,17 +396,20 @@ def paged_attention_kernel(
     return launch_paged_attention(inputs, scale, out, runtime, kernel, error, num_splits, source, max_seq_len)
 
 
-def resolve_call_version(version, query: torch.Tensor, num_kv_heads: int, runtime: str) -> KernelVersion:
-    """resolve_kernel_version for a call on `query`: its dtype, head size, GQA group, GPU."""
-    num_heads, head_size = query.shape[1], query.shape[2]
-    if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
+def check_head_layout(num_heads: int, num_kv_heads: int) -> None:
+    """num_heads a positive multiple of num_kv_heads (each KV head serves a group of query heads)."""
+    if num_kv_heads < 1 or num_heads < 1 or num_heads % num_kv_heads != 0:
         raise InvalidArgumentError(
             f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})"
         )
-    cores = runtime == "emulator" or has_tensor_cores(query.device.index)
-    return resolve_kernel_version(
-        version, query.dtype, head_size=head_size, group=num_heads // num_kv_heads, tensor_cores=cores
-    )
+
+
+def resolve_call_version(version, query: torch.Tensor, num_kv_heads: int, runtime: str) -> KernelVersion:
+    """resolve_kernel_version for a call on `query`: its dtype, head size, GQA group, GPU."""
+    num_heads, head_size = query.shape[1], query.shape[2]
+    check_head_layout(num_heads, num_kv_heads)
+    cores, group = runtime == "emulator" or has_tensor_cores(query.device.index), num_heads // num_kv_heads
+    return resolve_kernel_version(version, query.dtype, head_size=head_size, group=group, tensor_cores=cores)
 
 
 def launch_paged_attention(
@@ -447,7 +438,7 @@ class PreparedCall(NamedTuple):
     """Everything the calls of one shape share (`plan_call`); `run` launches one call."""
 
     plan: LaunchPlan
-    main: object  # the kernel, called as (grid, block, shared_mem, stream, *values): a _Packer or _Emulated
+    main: object  # the kernel, called as (grid, block, shared_mem, stream, *values): _Packer or _emulated
     merge: object | None  # the same for the merge kernel when the context is split, else None
     ints: tuple[int, ...]  # the main kernel's int32 arguments, in its signature's order
     part_floats: int  # floats of part_out and part_ml together, 0 without a split
@@ -527,12 +518,11 @@ def plan_call(
         ints = (num_blocks, *ints, plan.heads_per_block, plan.pages_per_split)
     split = kernel.number >= 5 and plan.num_splits > 1
     names = (kernel.function(dtype), f"{kernel.file}_merge{DTYPE_SUFFIX[dtype]}" if split else None)
+    file, index = kernel.file, device.index
     if runtime == "emulator":
-        main, merge = (name and _Emulated(_emulator_kernel(kernel.file, name)) for name in names)
+        main, merge = (name and functools.partial(_emulated, _emulator_kernel(file, name)) for name in names)
     else:  # versions 5-6: plan.options pick one copy of the kernel per module
-        main, merge = (
-            name and _cupy_kernel(kernel.file, name, device.index, source, plan.options) for name in names
-        )
+        main, merge = (name and _cupy_kernel(file, name, index, source, plan.options) for name in names)
         if plan.shared_mem > DEFAULT_SHARED_BYTES and main.max_dynamic_shared_size_bytes < plan.shared_mem:
             main.max_dynamic_shared_size_bytes = plan.shared_mem  # opt in (raises if the GPU has less)
         main, merge = _Packer(main, 9 if kernel.number >= 5 else 6, len(ints)), merge and _Packer(merge, 3, 2)
@@ -541,10 +531,8 @@ def plan_call(
 
 
 class _Packer:
-    """A cupy kernel and its argument buffer for cuLaunchKernel, made once per shape: each argument in an
-    8-byte slot (pointers, int32s, then the attention kernels' float32 scale), `params` the void** array
-    pointing at the slots. A launch packs its values into the buffer and the driver copies them, so the
-    buffer is free again when the call returns (one thread at a time, as the engine runs)."""
+    """A cupy kernel and its cuLaunchKernel arguments: an 8-byte slot each (pointers, int32s, the scale),
+    packed per launch and copied by the driver: the buffer is free again on return (one thread at a time)."""
 
     def __init__(self, kernel, pointers: int, ints: int):
         from cupy_backends.cuda.api import driver
@@ -563,14 +551,11 @@ class _Packer:
         self.launch(self.function, *grid, *block, shared_mem, stream, self.address, 0)
 
 
-class _Emulated(NamedTuple):
+def _emulated(kernel, grid, block, shared_mem: int, stream: int, *values) -> None:
     """An emulator kernel behind _Packer's call: the same values (pointers as raw CPU addresses)."""
-
-    kernel: object
-
-    def __call__(self, grid, block, shared_mem: int, stream: int, *values) -> None:
-        values = tuple(np.float32(v) if type(v) is float else v for v in values)  # the scale
-        self.kernel(grid, block, values, shared_mem=shared_mem)
+    kernel(
+        grid, block, tuple(np.float32(v) if type(v) is float else v for v in values), shared_mem=shared_mem
+    )
 
 
 # ----------------------------------------------------------------------------- the in-kernel guard's record
@@ -578,14 +563,15 @@ class _Emulated(NamedTuple):
 
 def _normalize_device(device: torch.device | str) -> torch.device:
     device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if device.type == "cuda" and device.index is None
+        else device
+    )
 
 
 def kernel_error_buffer(device: torch.device | str) -> torch.Tensor:
-    """The int32 [5] buffer the guarded kernels on `device` record their first violation in (made on
-    first use: make one guarded call before capturing a CUDA graph)."""
+    """The int32 [5] record of the guarded kernels on `device` (made on first use: before a graph capture)."""
     device = _normalize_device(device)
     if device not in _error_buffers:
         _error_buffers[device] = torch.zeros(ERROR_FIELDS, dtype=torch.int32, device=device)
