@@ -229,10 +229,10 @@ def tier_engine(debug: bool = False):
 # ----------------------------------------------------------------------------- the kernel driver
 
 
-def kernel_driver(runtime: str = "cupy") -> int:
+def kernel_driver(runtime: str = "cupy", only: str | None = None) -> int:
     """A few small launches of every kernel version through CuPy, each checked against float64
     (sanitizers), version 5 also split and with its guard catching a bad id. runtime "emulator" runs
-    the same on the CPU (to try the driver without a GPU)."""
+    the same on the CPU (to try the driver without a GPU). `only`: one version number."""
     import torch
 
     sys.path.insert(0, str(ROOT / "tests"))
@@ -245,15 +245,18 @@ def kernel_driver(runtime: str = "cupy") -> int:
         (2, 8, 2, 80, 8, (9, 33)),
         (1, 4, 1, 256, 1, (5,)),
     ]
+    # version 6 (16-bit, head sizes 64 and 128): a GQA group of 4 in 8 rows, a group of 16 in 16 rows
+    cases6 = [(3, 8, 2, 128, 16, (1, 17, 100)), (2, 16, 1, 64, 8, (9, 33))]
     device = "cuda" if runtime == "cupy" else "cpu"
     keys = ("query", "key_cache", "value_cache", "block_tables", "seq_lens")
     for n, version in sorted(cuda_kernels.kernel_versions().items()):
-        for i, (params, dtype) in enumerate(
-            zip(cases, (torch.float32, torch.float16, torch.bfloat16), strict=True)
-        ):
+        if only is not None and n != int(only):
+            continue
+        dtypes = (torch.float16, torch.bfloat16) if n == 6 else (torch.float32, torch.float16, torch.bfloat16)
+        for i, (params, dtype) in enumerate(zip(cases6 if n == 6 else cases, dtypes, strict=False)):
             if dtype not in version.dtypes:
                 continue
-            for splits in (None, 2) if n == 5 else (None,):
+            for splits in (None, 2) if n >= 5 else (None,):
                 case = make_decode_case(100 + i, *params, dtype=dtype, device=device)
                 out = torch.empty_like(case["query"])
                 args = [case[k] for k in keys]
@@ -266,7 +269,8 @@ def kernel_driver(runtime: str = "cupy") -> int:
                 assert_close(out, reference_decode(case))
                 print(f"v{n} case {params} {dtype} splits={splits}: ok", flush=True)
         if version.guard:  # a bad id in use: never read (memcheck would see it), NaN rows, recorded
-            case = make_decode_case(110, *cases[0], device=device)
+            case = make_decode_case(110, *(cases6 if n == 6 else cases)[0], device=device,
+                                    dtype=version.dtypes[0])  # fmt: skip
             case["block_tables"][2, 3] = 10**8
             out = torch.empty_like(case["query"])
             error = torch.zeros(5, dtype=torch.int32, device=device)
@@ -491,7 +495,7 @@ def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "pack":
         return pack()
     if len(sys.argv) > 1 and sys.argv[1] == "_kernel_driver":
-        return kernel_driver(*sys.argv[2:3])
+        return kernel_driver(*sys.argv[2:4])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "tier", choices=["quick", "sanitize", "bench", "serve", "engine", "engine-debug", "all"]

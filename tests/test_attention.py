@@ -452,7 +452,7 @@ def test_kernel_backends_get_normalized_inputs_and_preallocated_out(monkeypatch)
     """The contract with vllmini.cuda_kernels.launch_paged_attention."""
     seen = {}
 
-    def fake_kernel(inputs, scale, out, runtime, version, error):
+    def fake_kernel(inputs, scale, out, runtime, version, error, num_splits, source, max_seq_len):
         query, key_cache, value_cache, block_tables, seq_lens = inputs
         seen.update(locals())
         return out.copy_(

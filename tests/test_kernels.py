@@ -37,7 +37,18 @@ KERNEL_FILES = cuda_kernels.kernel_files(include_bugs=True)
 REAL_KERNELS = cuda_kernels.kernel_files(include_bugs=False)
 VERSIONS = sorted(cuda_kernels.kernel_versions())  # every version whose .cu file is present
 BEST = cuda_kernels.resolve_kernel_version(None).number
+FLOAT_VERSIONS = [v for v in VERSIONS if torch.float32 in cuda_kernels.kernel_versions()[v].dtypes]
 HALF_VERSIONS = [v for v in VERSIONS if torch.float16 in cuda_kernels.kernel_versions()[v].dtypes]
+
+
+def takes(version: int, params) -> bool:
+    """Whether a kernel version runs a case's head size (version 6: 64 and 128 only)."""
+    return version != 6 or params.head_size in cuda_kernels.TENSOR_CORE_HEAD_SIZES
+
+
+def half_cases(grid):
+    """(version, params) for every 16-bit version and every case of `grid` it takes."""
+    return [pytest.param(v, p, id=f"v{v}-{case_id(p)}") for v in HALF_VERSIONS for p in grid if takes(v, p)]
 
 
 def decode(case, backend, **kw):
@@ -58,7 +69,7 @@ def launch(case, runtime, version=None, **kw):
 
 def test_kernel_sources_are_found():
     names = [f.relative_to(cuda_kernels.kernel_dir()).as_posix() for f in KERNEL_FILES]
-    for number in (2, 3, 4, 5):
+    for number in (2, 3, 4, 5, 6):
         v = cuda_kernels.kernel_versions()[number]
         assert f"{v.file}.cu" in names
         assert cuda_kernels.read_kernel_source(v.file) == cuda_kernels.read_kernel_source(f"{v.file}.cu")
@@ -72,12 +83,23 @@ def test_kernel_sources_are_found():
 
 def test_version_registry_and_choice():
     versions = cuda_kernels.kernel_versions()
-    assert set(versions) >= {2, 3, 4, 5} and BEST == 5
+    assert set(versions) >= {2, 3, 4, 5, 6} and BEST == 5
     assert all(v.file == f"paged_attention_{n}_{v.name}" for n, v in versions.items())
     assert cuda_kernels.resolve_kernel_version("half_warps").number == 4
     assert cuda_kernels.resolve_kernel_version("4_half_warps").number == 4
     assert cuda_kernels.resolve_kernel_version(np.int64(3)).number == 3
     assert cuda_kernels.resolve_kernel_version(None, torch.bfloat16).number == 5
+    # the auto rule: version 6 for a 16-bit GQA group of head size 64 or 128 on tensor cores, else 5
+    auto = cuda_kernels.resolve_kernel_version
+    for dtype in (torch.float16, torch.bfloat16):
+        assert auto(None, dtype, head_size=128, group=4).number == 6
+        assert auto(None, dtype, head_size=64, group=16).number == 6
+        assert auto(None, dtype, head_size=128, group=1).number == 5  # MHA
+        assert auto(None, dtype, head_size=96, group=4).number == 5
+        assert auto(None, dtype, head_size=128, group=4, tensor_cores=False).number == 5  # before sm_80
+    assert auto(None, torch.float32, head_size=128, group=4).number == 5
+    with pytest.raises(InvalidTypeError, match=r"kernel version 6 \(tensor_cores\) supports"):
+        auto(6, torch.float32)
     with pytest.raises(InvalidArgumentError, match="kernel_version must be one of"):
         cuda_kernels.resolve_kernel_version(99)
     with pytest.raises(InvalidArgumentError, match="'nope' is not one of"):
@@ -105,6 +127,29 @@ def test_launch_plan_splits_only_when_the_batch_does_not_fill_the_gpu():
     assert cuda_kernels.launch_plan(v5, 4, 8, 2, 256, 16, 4, torch.float16, 132).heads_per_block == 2
     # short contexts are never cut below MIN_SPLIT_TOKENS
     assert cuda_kernels.launch_plan(v5, 1, 4, 4, 64, 16, 8, torch.float32, 132).num_splits == 1
+    # the pieces come from the longest sequence as the host knows it, not from the table's width
+    wide = cuda_kernels.launch_plan(v5, 1, 32, 32, 128, 16, 2048, torch.float16, 132, None, 4096)
+    assert wide.num_splits == 16 and wide.pages_per_split == 16
+
+
+def test_launch_plan_of_the_tensor_core_version():
+    v6 = cuda_kernels.kernel_versions()[6]
+    plan = lambda *a, **k: cuda_kernels.launch_plan(v6, *a, **k)  # noqa: E731
+    # (e) GQA 32/8 B64: 512 blocks (a group of 4 each) on 3 x 132 slots; 3 pieces make 3.9 waves
+    e = plan(64, 32, 8, 128, 16, 256, torch.float16, 132)
+    assert e.heads_per_block == 4 and e.grid == (64, 8, 3) and e.pages_per_split == 86
+    assert e.block == (128, 1, 1) and e.shared_mem == 4 * 8 * 130 * 4
+    assert e.options == ("-DVLLMINI_ONLY_HEAD=128", "-DVLLMINI_ONLY_ROWS16=0")
+    assert plan(32, 32, 8, 128, 16, 256, torch.float16, 132).num_splits == 1  # 256 blocks: one wave
+    # a small batch fills one wave, pieces no shorter than MIN_SPLIT_TOKENS
+    one = plan(1, 32, 8, 128, 16, 2048, torch.float16, 132)
+    assert one.grid == (1, 8, 49) and one.pages_per_split == 42
+    assert plan(1, 32, 8, 128, 16, 2048, torch.float16, 132, None, 1000).num_splits == 3
+    # 16 rows: a group of 16, or its largest divisor <= 16
+    g16 = plan(2, 16, 1, 64, 16, 4, torch.bfloat16, 132)
+    assert g16.heads_per_block == 16 and g16.shared_mem == 4 * 16 * 66 * 4
+    assert g16.options[1] == "-DVLLMINI_ONLY_ROWS16=1"
+    assert plan(2, 24, 1, 64, 16, 4, torch.bfloat16, 132).heads_per_block == 12
 
 
 def test_nvrtc_loads():
@@ -162,7 +207,7 @@ def test_emulator_matches_reference(params):
     assert_close(launch(case, "emulator"), reference_decode(case))
 
 
-@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("version", FLOAT_VERSIONS)
 @pytest.mark.parametrize("params", DECODE_GRID_SMALL, ids=case_id)
 def test_every_version_on_the_emulator(params, version):
     """Every kernel version present, the same launcher, the small grid (each head and block size)."""
@@ -170,9 +215,8 @@ def test_every_version_on_the_emulator(params, version):
     assert_close(launch(case, "emulator", version), reference_decode(case))
 
 
-@pytest.mark.parametrize("version", HALF_VERSIONS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("params", DECODE_GRID_SMALL, ids=case_id)
+@pytest.mark.parametrize(("version", "params"), half_cases(DECODE_GRID_SMALL))
 def test_emulator_half_types_match_reference(params, dtype, version):
     case = make_decode_case(20, *params, dtype=dtype)
     out = launch(case, "emulator", version)
@@ -189,6 +233,16 @@ def test_split_context_merges_to_the_same_answer(params, num_splits, dtype):
     assert_close(launch(case, "emulator", 5, num_splits=num_splits), reference_decode(case))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("params", [p for p in DECODE_GRID if takes(6, p)], ids=case_id)
+def test_tensor_cores_on_the_attention_grid(params, dtype):
+    """Version 6 through the public call on the emulator: the auto rule picks it for GQA; MHA asked for."""
+    case = make_decode_case(43, *params, dtype=dtype)
+    version = None if params.num_heads > params.num_kv_heads else 6
+    assert_close(decode(case, "emulator", kernel_version=version), reference_decode(case))
+    assert_close(launch(case, "emulator", 6, num_splits=3), reference_decode(case))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_one_token_returns_its_value_row_bit_for_bit(dtype):
     """With one token the softmax weight is exactly 1, so out == V: checks the 16-bit -> float widening
@@ -202,9 +256,13 @@ def test_one_token_returns_its_value_row_bit_for_bit(dtype):
     row[: len(specials)] = torch.tensor(specials, dtype=torch.float64)
     page = int(case["block_tables"][0, 0])
     case["value_cache"][page, 0, 0] = row.to(dtype)
-    out = launch(case, "emulator")
+    out = launch(case, "emulator", 5)
     expected = case["value_cache"][page, 0, 0]
     assert torch.equal(out[0, 0], expected) and torch.equal(out[0, 1], expected)
+    if dtype != torch.float32:  # version 6: the same, but for infinities (inf * 0 in the tile is NaN)
+        case["value_cache"][page, 0, 0] = expected.nan_to_num(posinf=0.0, neginf=0.0)
+        out = launch(case, "emulator", 6)
+        assert torch.equal(out[0, 0], case["value_cache"][page, 0, 0])
 
 
 @pytest.mark.parametrize("bad_page", [None, -1, 10**6])
@@ -282,6 +340,12 @@ def test_launcher_refuses_what_the_kernel_cannot_do():
     big = make_decode_case(28, 1, 1, 1, 512, 8, (5,))
     with pytest.raises(ValueError, match="head_size <= 256, got 512"):
         launch(big, "emulator")
+    odd = make_decode_case(28, 1, 4, 2, 80, 8, (5,), dtype=torch.float16)
+    with pytest.raises(ValueError, match="kernel version 6 supports head_size 64 or 128, got 80"):
+        launch(odd, "emulator", 6)
+    most = case["block_tables"].shape[1] * 8  # the table's tokens
+    with pytest.raises(ValueError, match=f"max_seq_len must be <= {most}, got {most + 1}"):
+        launch(case, "emulator", max_seq_len=most + 1)
     with pytest.raises(ValueError, match="runtime 'cupy' needs all tensors on one CUDA device"):
         launch(case, "cupy")  # CPU tensors: refused with or without a GPU
     if torch.cuda.is_available():
@@ -364,17 +428,57 @@ def test_validate_false_trusts_and_the_default_on_cpu_checks_on_the_host():
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_public_call_selects_any_version(version):
-    case = make_decode_case(40, 3, 4, 2, 64, 16, (5, 17, 33))
+    dtype = cuda_kernels.kernel_versions()[version].dtypes[0]
+    case = make_decode_case(40, 3, 4, 2, 64, 16, (5, 17, 33), dtype=dtype)
     assert_close(decode(case, "emulator", kernel_version=version), reference_decode(case))
     with pytest.raises(InvalidArgumentError, match="kernel_version applies to backends"):
         decode(case, "torch", kernel_version=version)
+
+
+def test_a_signature_is_checked_once_and_its_calls_stay_guarded(monkeypatch):
+    """The checks that need no device data run once per call signature; what changes between calls (the
+    tables' values) is still the guard's, and anything else about a call takes every check again."""
+    import vllmini.attention as attention
+
+    checks = []
+    full = attention.validate_decode_args
+    monkeypatch.setattr(attention, "validate_decode_args", lambda *a, **k: checks.append(1) or full(*a, **k))
+    attention._CALLS.clear()
+    case = make_decode_case(44, 3, 8, 2, 64, 16, (5, 17, 33), dtype=torch.float16)
+    ref = reference_decode(case)
+    for _ in range(3):
+        assert_close(decode(case, "emulator", validate="guard"), ref)
+    assert len(checks) == 1 and len(attention._CALLS) == 1
+    strided = dict(case, query=case["query"].transpose(0, 1).contiguous().transpose(0, 1))
+    assert_close(decode(strided, "emulator", validate="guard"), ref)  # not contiguous: checked again
+    decode(case, "emulator")  # CPU tensors, the default host check: never skipped
+    decode(case, "emulator")
+    assert len(checks) == 4 and len(attention._CALLS) == 1
+    kernel_error_buffer("cpu").zero_()
+    case["block_tables"][2, 1] = 10**6  # a bad id in use, on the skipping path
+    out = decode(case, "emulator", validate="guard")
+    assert len(checks) == 4 and out[2].isnan().all() and not out[:2].isnan().any()
+    with pytest.raises(InvalidBlockTableError, match=r"block_tables\[2, 1\] = 1000000"):
+        check_kernel_errors("cpu")
+
+
+def test_max_seq_len_from_the_host():
+    case = make_decode_case(45, 3, 8, 2, 128, 16, (5, 17, 300), dtype=torch.bfloat16)
+    ref = reference_decode(case)
+    for validate in (True, "guard"):
+        assert_close(decode(case, "emulator", validate=validate, max_seq_len=300), ref)
+        assert_close(decode(case, "emulator", validate=validate, max_seq_len=310), ref)
+    with pytest.raises(InvalidArgumentError, match=r"max_seq_len = 299 is below max\(seq_lens\) = 300"):
+        decode(case, "emulator", max_seq_len=299)  # checked where the host has the lengths
+    with pytest.raises(InvalidTypeError, match="max_seq_len must be an int"):
+        decode(case, "emulator", validate="guard", max_seq_len=3.5)
 
 
 # ----------------------------------------------------------------------------- CuPy on a GPU
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("version", FLOAT_VERSIONS)
 @pytest.mark.parametrize("params", DECODE_GRID, ids=case_id)
 def test_cupy_matches_reference(params, version):
     case = make_decode_case(31, *params, device="cuda")
@@ -382,9 +486,10 @@ def test_cupy_matches_reference(params, version):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("version", HALF_VERSIONS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("params", DECODE_GRID[::2], ids=case_id)
+@pytest.mark.parametrize(
+    ("version", "params"), half_cases(DECODE_GRID[::2]) + half_cases(DECODE_GRID[1::2])[-8:]
+)
 def test_cupy_half_types_match_reference(params, dtype, version):
     case = make_decode_case(30, *params, dtype=dtype, device="cuda")
     out = launch(case, "cupy", version)

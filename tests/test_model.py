@@ -336,6 +336,7 @@ def test_logits_match_transformers_mixed_batch(checkpoint, reference):
     bt = torch.tensor([tables[s] + [-1] * (4 - len(tables[s])) for s in order], dtype=torch.int32)
     meta = AttentionMetadata.build([9, 1, 1, 1], bt, new_lens, slots, 1)
     assert (meta.num_prefills, meta.num_decodes, meta.num_prefill_tokens) == (1, 3, 9)
+    assert meta.max_decode_seq_len == 13  # the decodes' longest, known on the host (the kernels' splits)
     ids = torch.tensor(prompts[3] + nexts)
     pos = torch.tensor(list(range(9)) + [n - 1 for n in new_lens[1:]])
     with torch.no_grad():

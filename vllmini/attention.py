@@ -5,23 +5,18 @@ Prefill (`paged_prefill_attention`): each sequence's new tokens (its last ones, 
 cache) attend causally to everything before them. Token t of sequence s lives at
     key_cache[block_tables[s, t // block_size], t % block_size]    # (num_kv_heads, head_size)
 
-Shapes, dtypes and devices are always checked on the host (no device access). The block tables and
-seq_lens -- values that live on the device -- are checked in one of three ways (`validate=`):
-    "host"   (True)  copy them to the host and check with numpy before any backend runs: free for CPU
-                     tensors, one device->host copy and sync for CUDA tensors. The default on the CPU,
-                     and on CUDA for backends without a guard (torch, kernel versions 1-4).
-    "guard"          the in-kernel guard (kernel version 5, CUDA by default, or the emulator when asked):
-                     every page id is checked as the kernel loads it, a bad one is never read, its
-                     sequence's output rows are NaN and the first violation (sequence, table entry, value)
-                     is recorded in a device-side buffer. No sync: `check_kernel_errors()` reads the buffer
-                     (one sync) and raises InvalidBlockTableError; the engine calls it once per step.
-    "trust"  (False) no check at all, for a caller that checked these tables already (check_block_tables).
-validate=None picks "guard" or "host" in one place, `guarded_by_default`. Backends: "torch" gathers the
-pages and runs `scaled_dot_product_attention`; "cupy" (a CUDA kernel on a GPU) and "emulator" (the same
-source on the CPU) launch one of `vllmini.cuda_kernels`' versions (`kernel_version=`, None: the best).
-"auto" is "cupy" for CUDA tensors of a dtype the kernels take (FLOAT_DTYPES) when CuPy works, else
-"torch"; never the emulator. Index tensors may be int32 (vLLM's choice) or int64; padding entries of
-block_tables (past a sequence's length) are never read, whatever they hold (-1, garbage).
+Shapes, dtypes and devices are checked on the host; the values of block_tables and seq_lens (on the
+device) one of three ways (`validate=`; None: `guarded_by_default` picks "guard" or "host"):
+    "host"  (True)   copied to the host and checked with numpy first: free for CPU tensors, one sync for
+                     CUDA ones. The default on the CPU and for backends without a guard (torch, kernels 1-4).
+    "guard"          the in-kernel guard (kernels 5-6; the default for "cupy"): a bad page id is never read,
+                     its sequence's rows come out NaN, the first violation is recorded on the device and
+                     `check_kernel_errors()` raises it later (one sync; the engine calls it once per step).
+    "trust" (False)  no check, for a caller that checked these tables already (check_block_tables).
+Backends: "torch" gathers the pages and runs SDPA; "cupy" (a GPU) and "emulator" (the CPU) launch a
+`vllmini.cuda_kernels` version (`kernel_version=`; None: its auto rule). "auto" is "cupy" for CUDA tensors
+of FLOAT_DTYPES when CuPy works, else "torch"; never the emulator. Index tensors may be int32 or int64;
+padding entries of block_tables (past a sequence's length) are never read, whatever they hold.
 """
 
 from __future__ import annotations
@@ -36,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from vllmini import cuda_kernels
-from vllmini.checks import as_float, cdiv, one_of
+from vllmini.checks import as_float, as_int, cdiv, one_of
 from vllmini.cuda_kernels import KernelVersion, resolve_kernel_version
 from vllmini.errors import InvalidArgumentError, InvalidBlockTableError, InvalidTypeError
 from vllmini.kv_cache import FLOAT_DTYPES, INDEX_DTYPES, check_cache_pair, check_slot_mapping
@@ -107,25 +102,19 @@ def _check_query(query, key_cache, value_cache, scale, what: str) -> float:
         raise InvalidArgumentError(f"query is on {query.device} but the caches are on {key_cache.device}")
     if query.shape[2] != head_size:
         raise InvalidArgumentError(f"query head_size {query.shape[2]} != cache head_size {head_size}")
-    num_heads = query.shape[1]
-    if num_heads < 1 or num_heads % num_kv_heads != 0:
-        raise InvalidArgumentError(
-            f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})"
-        )
+    cuda_kernels.check_head_layout(query.shape[1], num_kv_heads)
     return head_size**-0.5 if scale is None else as_float(scale, "scale")
 
 
 def _host_view(*tensors: torch.Tensor) -> list[np.ndarray]:
-    """The index tensors as numpy arrays on the host: CPU tensors viewed without a copy (strides and
-    all), anything else through `_host_copy`."""
+    """The index tensors as numpy arrays on the host: CPU tensors viewed in place, others by `_host_copy`."""
     if all(t.device.type == "cpu" for t in tensors):
         return [t.numpy() for t in tensors]
     return _host_copy(*tensors)
 
 
 def _host_copy(*tensors: torch.Tensor) -> list[np.ndarray]:
-    """ONE device->host copy of all the tensors: flattened into one (int64 if any of them is), then
-    `.cpu()` -- one sync, instead of a dozen tiny kernels and a sync per question asked of them."""
+    """ONE device->host copy (one sync) of all the tensors, flattened into one (int64 if any is)."""
     dtype = torch.int64 if any(t.dtype == torch.int64 for t in tensors) else torch.int32
     flat = torch.cat([t.reshape(-1).to(dtype) for t in tensors]).cpu()
     parts = flat.split([t.numel() for t in tensors])
@@ -133,10 +122,8 @@ def _host_copy(*tensors: torch.Tensor) -> list[np.ndarray]:
 
 
 def _check_tables_host(bt: np.ndarray, lens: np.ndarray, num_blocks: int, block_size: int) -> np.ndarray:
-    """Check block tables (S, M) and seq_lens (S,) on the host; return seq_lens as int64 (S,).
-
-    A sequence of length n reads the first ceil(n / block_size) entries of its row; the rest (padding)
-    may hold anything."""
+    """Check block tables (S, M) and seq_lens (S,) on the host; return seq_lens as int64 (S,). A sequence
+    of length n reads the first ceil(n / block_size) entries of its row; the rest may hold anything."""
     max_blocks = bt.shape[1]
     max_len = max_blocks * block_size
     lens = lens.astype(np.int64)  # (S,) small copy: no int32 overflow below
@@ -166,9 +153,8 @@ def _check_tables_host(bt: np.ndarray, lens: np.ndarray, num_blocks: int, block_
 def check_block_tables(
     block_tables: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int, block_size: int
 ) -> int:
-    """The host-side block-table checks of `paged_attention`, on their own (one host copy); returns
-    max(seq_lens). For a caller that runs many layers over the same tables (the model, once per
-    forward) and then calls `paged_attention(..., validate=False)` for each layer."""
+    """The host-side table checks of `paged_attention` alone (one host copy); returns max(seq_lens). For a
+    caller that runs many layers over the same tables, then `paged_attention(..., validate=False)`."""
     if block_tables.dim() != 2 or seq_lens.shape != (block_tables.shape[0],):
         raise InvalidArgumentError(
             f"block_tables must be [num_seqs, max_num_blocks_per_seq] and seq_lens [num_seqs], got shapes "
@@ -200,9 +186,8 @@ def _check_table_shapes(key_cache: torch.Tensor, block_tables, seq_lens, num_seq
 
 
 def _normalize(query, key_cache, value_cache, *indices) -> tuple[torch.Tensor, ...]:
-    """query and the caches contiguous (a strided cache is copied whole), the index tensors contiguous
-    int32: int64 values outside int32 are clamped, not wrapped, so an id like 2**40 stays out of range for
-    the in-kernel guard instead of becoming a valid id."""
+    """All contiguous (a strided cache is copied whole), the indices int32: int64 values are clamped, not
+    wrapped, so an id like 2**40 stays out of range for the in-kernel guard."""
     ints = (t.clamp(-(2**31), 2**31 - 1).int() if t.dtype == torch.int64 else t.int() for t in indices)
     return tuple(t.contiguous() for t in (query, key_cache, value_cache, *ints))
 
@@ -217,12 +202,8 @@ def validate_decode_args(
     *,
     tables: bool = True,
 ) -> DecodeArgs:
-    """Check every decode input (raising ValueError/TypeError that names it) and normalize it.
-
-    Returns contiguous copies where needed (a strided cache is copied whole: correct, not fast),
-    int32 block_tables/seq_lens, the resolved scale and max(seq_lens). The table checks run on the
-    host: CUDA tables cost one device->host copy (one sync), CPU tables none. tables=False leaves the
-    tables' values unchecked (the guard checks them, or the caller did)."""
+    """Check every decode input (a ValueError/TypeError naming it) and normalize it (`_normalize`), with
+    the scale resolved; the tables' values on the host (one sync for CUDA tensors) unless tables=False."""
     scale = _check_query(query, key_cache, value_cache, scale, "num_seqs")
     _check_table_shapes(key_cache, block_tables, seq_lens, query.shape[0])
     tensors = _normalize(query, key_cache, value_cache, block_tables, seq_lens)
@@ -248,8 +229,8 @@ def validate_prefill_args(
     query_start_loc: torch.Tensor,  # (num_seqs + 1,)
     scale: float | None = None,
 ) -> PrefillArgs:
-    """Like `validate_decode_args`, plus query_start_loc: starts at 0, ends at num_tokens, and each
-    sequence has 1 .. seq_len new tokens (its last ones). One device->host copy for all three."""
+    """`validate_decode_args` plus query_start_loc (0 .. num_tokens, 1 .. seq_len new tokens a sequence);
+    one device->host copy for all three index tensors."""
     scale = _check_query(query, key_cache, value_cache, scale, "num_tokens")
     num_seqs = _check_table_shapes(key_cache, block_tables, seq_lens, None)
     _check_index_tensor("query_start_loc", query_start_loc, "[num_seqs + 1]", 1, key_cache.device)
@@ -281,58 +262,48 @@ def validate_prefill_args(
     return PrefillArgs(*tensors, scale, longest, longest_query, lens, starts)
 
 
-# ----------------------------------------------------------------------------- the torch backend
-
-
 def _decode_torch(args: DecodeArgs) -> torch.Tensor:
-    """Naive paged decode: gather every sequence's pages (padded to the longest), then SDPA.
-
-    args.min_seq_len (known on the host from validation) says which positions may need masking: none
-    when every sequence is equally long, else only positions min_seq_len .. max_seq_len - 1."""
+    """Naive paged decode: gather every sequence's pages (padded to the longest), then SDPA. Positions
+    from args.min_seq_len (known on the host after its check, else 0) up need masking."""
     q, kc, vc, min_seq_len = args.query, args.key_cache, args.value_cache, args.min_seq_len
-    num_seqs, num_heads, head_size = q.shape
-    block_size, num_kv_heads = kc.shape[1], kc.shape[2]
-    group = num_heads // num_kv_heads  # query heads per kv head
-    L = args.max_seq_len
-    nb = cdiv(L, block_size)  # blocks of the longest sequence
-    ragged = min_seq_len < L  # some sequences are shorter than the longest: mask their tails
+    (num_seqs, num_heads, head_size), (_, block_size, num_kv_heads, _) = q.shape, kc.shape
+    group, L = num_heads // num_kv_heads, args.max_seq_len  # query heads per kv head, longest sequence
+    nb, ragged = cdiv(L, block_size), min_seq_len < L  # blocks of the longest; shorter tails to mask
     lens = args.seq_lens[:, None]  # (S, 1)
     pages = args.block_tables[:, :nb].long()  # (S, nb)
     if ragged:  # a shorter sequence's padding entries may hold anything: read page 0 instead (zeroed below)
         used = torch.arange(nb, device=q.device)[None, :] * block_size < lens  # (S, nb)
         pages = torch.where(used, pages, 0)
-    # the gather: indexing dim 0 of the pool copies whole pages (the fastest gather torch has)
     k = kc[pages].flatten(1, 2)[:, :L]  # (S, nb, bs, kvh, hs) -> (S, L, kvh, hs), a view
     v = vc[pages].flatten(1, 2)[:, :L]
     mask = None
-    if ragged:
-        # slots past a seq_len hold stale data, NaN or inf. Masking their scores is not enough
-        # (NaN + -inf and 0 * NaN are NaN), so zero them in K and V: only positions >= min_seq_len
+    if ragged:  # slots past a seq_len may hold NaN or inf: a mask is not enough (0 * NaN), zero them too
         valid = torch.arange(L, device=q.device)[None, :] < lens  # (S, L)
         tail = ~valid[:, min_seq_len:, None, None]  # (S, L - min_seq_len, 1, 1)
         k[:, min_seq_len:].masked_fill_(tail, 0)
         v[:, min_seq_len:].masked_fill_(tail, 0)
         mask = valid[:, None, None, :]  # (S, 1, 1, L): True = attend; broadcast over heads and queries
-    # GQA/MQA: the G query heads that share a kv head become G query rows of that one head, so every
-    # kv head is read once (no repeated K/V, any SDPA kernel); MHA is G = 1
+    # GQA/MQA: a kv head's G query heads become G query rows of it (each kv head read once; MHA: G = 1)
     qg = q.view(num_seqs, num_kv_heads, group, head_size)  # (S, kvh, G, hs)
     k, v = k.transpose(1, 2), v.transpose(1, 2)  # (S, kvh, L, hs) strided views; SDPA takes them as is
-    # SDPA accumulates in float32 for half types (and keeps float64 in float64)
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=args.scale)  # (S, kvh, G, hs)
     return out.reshape(num_seqs, num_heads, head_size)
 
 
 def _prefill_torch(args: PrefillArgs) -> torch.Tensor:
-    """Paged prefill for the whole batch in one attention call, no loop over sequences: gather every
-    sequence's pages into a padded (S, L, kvh, hs) tensor with one index, lay the new tokens out on a
-    padded (S, N) grid, and run one SDPA with a mask that is causal (query row j of sequence s sits at
-    position lens[s] - n_s + j, so a chunk that starts at k > 0 works) and cuts each sequence at its length.
-    seq_lens and query_start_loc come from the host copies of validation (the indices need no sync)."""
+    """Paged prefill for the whole batch in one SDPA, no loop over sequences: every sequence's pages
+    gathered into (S, L, kvh, hs), the new tokens laid out on a padded (S, N) grid, a mask that is causal
+    (query row j of sequence s sits at position lens[s] - n_s + j: chunks that start mid-sequence work)
+    and cuts each sequence at its length. The indices come from validation's host copies (no sync)."""
     q, kc, vc, lens, starts = args.query, args.key_cache, args.value_cache, args.lens_host, args.starts_host
-    num_tokens, num_heads, head_size = q.shape
-    block_size, num_kv_heads = kc.shape[1], kc.shape[2]
-    group = num_heads // num_kv_heads  # query heads per kv head
-    S, L, N, device = len(lens), args.max_seq_len, args.max_query_len, q.device
+    (num_tokens, num_heads, head_size), (_, block_size, num_kv_heads, _) = q.shape, kc.shape
+    group, S, L, N, device = (
+        num_heads // num_kv_heads,
+        len(lens),
+        args.max_seq_len,
+        args.max_query_len,
+        q.device,
+    )
     q_lens = np.diff(starts)  # (S,) new tokens of each sequence
     # where each new token sits on the (S, N) grid, and where each grid row sits in the sequence
     rows = np.repeat(np.arange(S) * N - starts[:-1], q_lens) + np.arange(num_tokens)  # (T,)
@@ -399,11 +370,10 @@ def guarded_by_default(
     dtype: torch.dtype,
     kernel_version: int | str | KernelVersion | None = None,
 ) -> bool:
-    """Who checks the block tables when validate is None (the one place that decides): True when
-    paged_attention(..., backend=, kernel_version=) on tensors of this device and dtype leaves them to
-    the in-kernel guard (backend "cupy", a kernel version with a guard), False when it checks them on the
-    host. A caller that runs many layers over the same tables asks once: True, then call
-    check_kernel_errors() once per step; False, then check_block_tables() once and pass validate=False."""
+    """Who checks the block tables when validate is None (the one place that decides): True for the
+    in-kernel guard (backend "cupy", a guarded kernel), False for the host. A caller running many layers
+    over the same tables asks once: True, then check_kernel_errors() once per step; False, then
+    check_block_tables() once and validate=False."""
     backend = resolve_backend(backend, device, dtype)
     return backend == "cupy" and resolve_kernel_version(kernel_version, dtype).guard
 
@@ -421,9 +391,15 @@ def _table_check_mode(validate, backend: str, version: KernelVersion | None, que
     if validate == "guard" and not (version is not None and version.guard):
         raise InvalidArgumentError(
             f"validate='guard' needs a kernel with the in-kernel guard (backend 'cupy' or 'emulator', "
-            f"kernel version 5); backend is {backend!r}"
+            f"kernel version 5 or 6); backend is {backend!r}"
         )
     return validate
+
+
+# a call's signature -> what its checks decided: (backend, version, scale, the guard's record or None
+# for "trust", {max_seq_len: cuda_kernels.PreparedCall}); the fast path of paged_attention
+_CALLS: dict[tuple, tuple] = {}
+MAX_CACHED_CALLS = 256
 
 
 def paged_attention(
@@ -437,16 +413,45 @@ def paged_attention(
     backend: str = "auto",
     validate: bool | str | None = None,
     kernel_version: int | str | None = None,
+    max_seq_len: int | None = None,
 ) -> torch.Tensor:  # (num_seqs, num_heads, head_size), query's dtype
-    """Decode attention through block tables: each sequence's one query token attends to its
-    seq_lens[s] cached tokens. backend, validate (None: see guarded_by_default) and kernel_version (a
-    number or name of kernel_versions(); None: the best): see module doc."""
+    """Decode attention through block tables: each sequence's one query token attends to its seq_lens[s]
+    cached tokens; backend, validate, kernel_version: the module doc. max_seq_len: max(seq_lens) as the
+    caller knows it on the host (an upper bound will do; None: the tables' width), the kernels' context
+    splits are cut from it (trusted unless validate checks on the host). The checks that need no device
+    data run once per call signature (shapes, dtypes, devices, backend, validate, kernel_version, scale):
+    a later call of it with contiguous tensors goes straight to the planned launch, at kernel cost."""
+    tensors = (query, key_cache, value_cache, block_tables, seq_lens)
+    try:
+        key = (query.shape, query.dtype, query.device, key_cache.shape, key_cache.dtype, key_cache.device,
+               value_cache.shape, value_cache.dtype, value_cache.device, block_tables.shape,
+               block_tables.dtype, block_tables.device, seq_lens.shape, seq_lens.dtype, seq_lens.device,
+               scale, backend, validate, kernel_version)  # fmt: skip
+        known = _CALLS.get(key) if scale is None or type(scale) is float else None
+    except (AttributeError, TypeError):  # not tensors, or an unhashable argument: the checks will say
+        key = known = None
+    fast = known is not None and (max_seq_len is None or type(max_seq_len) is int)
+    if fast and all(map(torch.Tensor.is_contiguous, tensors)):
+        backend, version, scale, error, calls = known
+        if (call := calls.get(max_seq_len)) is None:
+            shapes = (query.shape, key_cache.shape, block_tables.shape[1], None, max_seq_len)
+            call = calls[max_seq_len] = cuda_kernels.plan_call(
+                version, backend, query.device, query.dtype, *shapes
+            )
+        return call.run(tensors, torch.empty_like(query), error, scale)
+    return _checked_paged_attention(tensors, scale, backend, validate, kernel_version, max_seq_len, key)
+
+
+def _checked_paged_attention(tensors, scale, backend, validate, kernel_version, max_seq_len, key):
+    """paged_attention with every check; remembers a signature whose calls need none of them again."""
     one_of(backend, "backend", BACKENDS)
-    args = validate_decode_args(query, key_cache, value_cache, block_tables, seq_lens, scale, tables=False)
+    args = validate_decode_args(*tensors, scale, tables=False)
     backend = resolve_backend(backend, args.query.device, args.query.dtype)
     version = None
     if backend in ("cupy", "emulator"):
-        version = resolve_kernel_version(kernel_version, args.query.dtype)
+        version = cuda_kernels.resolve_call_version(
+            kernel_version, args.query, args.key_cache.shape[2], backend
+        )
     elif kernel_version is not None:
         raise InvalidArgumentError(
             f"kernel_version applies to backends 'cupy' and 'emulator', not {backend!r}; "
@@ -456,12 +461,22 @@ def paged_attention(
     if args.query.shape[0] == 0:
         return torch.empty_like(args.query)
     if mode == "host":
-        args = _with_host_lens(args, block_tables, seq_lens)
+        args = _with_host_lens(args, *tensors[3:])
+        if max_seq_len is not None and as_int(max_seq_len, "max_seq_len") < args.max_seq_len:
+            raise InvalidArgumentError(
+                f"max_seq_len = {max_seq_len} is below max(seq_lens) = {args.max_seq_len}"
+            )
     if backend == "torch":
         return _decode_torch(args)
-    out = torch.empty_like(args.query)
     error = cuda_kernels.kernel_error_buffer(args.query.device) if mode == "guard" else None
-    return cuda_kernels.launch_paged_attention(args[:5], args.scale, out, backend, version, error)
+    out = torch.empty_like(args.query)
+    cuda_kernels.launch_paged_attention(args[:5], args.scale, out, backend, version, error, None, None,
+                                        args.max_seq_len if max_seq_len is None else max_seq_len)  # fmt: skip
+    if key is not None and mode != "host" and all(a is t for a, t in zip(args[:5], tensors, strict=True)):
+        if len(_CALLS) >= MAX_CACHED_CALLS:
+            _CALLS.clear()
+        _CALLS[key] = (backend, version, args.scale, error, {})
+    return out
 
 
 def paged_prefill_attention(
@@ -475,8 +490,8 @@ def paged_prefill_attention(
     *,
     backend: str = "auto",
 ) -> torch.Tensor:  # (num_tokens, num_heads, head_size)
-    """Causal attention for each sequence's new tokens (its last ones, already in the cache) over its
-    whole cached context. Serves whole prompts and chunks that start mid-sequence. Only "torch"."""
+    """Causal attention of each sequence's new tokens (its last, already cached) over its whole context:
+    whole prompts and chunks that start mid-sequence. Only "torch"."""
     one_of(backend, "backend", BACKENDS)
     if backend not in ("auto", "torch"):
         raise InvalidArgumentError(
@@ -492,8 +507,7 @@ def paged_prefill_attention(
 
 
 def to_device(t: torch.Tensor, device) -> torch.Tensor:
-    """`t` on `device`. A CPU tensor goes to CUDA through pinned memory, non-blocking: no host sync (a
-    plain .to() from pageable memory waits for the copy)."""
+    """`t` on `device`; CPU -> CUDA through pinned memory, non-blocking (no host sync, unlike `.to()`)."""
     device = torch.device(device)
     if device.type == "cuda" and t.device.type == "cpu":
         return t.pin_memory().to(device, non_blocking=True)
@@ -506,12 +520,9 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
 
 @dataclasses.dataclass
 class AttentionMetadata:
-    """Where this step's tokens go in the cache and what each sequence reads.
-
-    Sequences are ordered prefills first, then decodes (one new token each). Sequence i's new tokens
-    are input_ids[query_start_loc[i]:query_start_loc[i+1]], and they are its last ones: after this
-    step it holds seq_lens[i] tokens in the cache.
-    """
+    """Where this step's tokens go in the cache and what each sequence reads: prefills first, then decodes
+    (one new token each); sequence i's new tokens, input_ids[query_start_loc[i]:query_start_loc[i+1]], are
+    its last ones (after this step it holds seq_lens[i] tokens in the cache)."""
 
     slot_mapping: torch.Tensor  # (num_tokens,) int64: cache slot of each new token
     block_tables: torch.Tensor  # (num_seqs, max_num_blocks_per_seq) int32, padded with -1
@@ -519,20 +530,17 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # (num_seqs + 1,) int32: cumulative new tokens
     num_prefills: int  # the first num_prefills sequences use the prefill path
     num_prefill_tokens: int  # = query_start_loc[num_prefills]
-    # True once `check_on_host` passed (the forward then skips its own checks, each a sync on a GPU)
-    host_checked: bool = False
-    # slot_mapping may hold -1 rows that were not checked (a CUDA graph's padding): see reshape_and_cache
-    has_padding: bool = False
-    # (num_seqs,) int64: each sequence's last token
-    last_token_indices: torch.Tensor = dataclasses.field(init=False)
+    host_checked: bool = False  # `check_on_host` passed: the forward skips its own checks (GPU syncs)
+    has_padding: bool = False  # slot_mapping may hold unchecked -1 rows (a CUDA graph's padding)
+    max_decode_seq_len: int | None = None  # the longest decode, known on the host: the kernels' splits
+    last_token_indices: torch.Tensor = dataclasses.field(init=False)  # (num_seqs,) int64
 
     def __post_init__(self):
         self.last_token_indices = self.query_start_loc[1:].to(torch.int64) - 1
 
     def check_on_host(self, num_blocks: int, block_size: int, *, tables: bool = True) -> None:
-        """Check slot_mapping (and, with tables, the decode rows' block tables) while they are still on
-        the host (free for CPU tensors), so the GPU forward needs no sync for it. The engine calls this
-        on the metadata it builds on the CPU, then `to(device)`."""
+        """Check slot_mapping (and, with tables, the decode rows' tables) while still on the host, so the
+        GPU forward needs no sync for it (the engine: on the CPU metadata it builds, then `to(device)`)."""
         check_slot_mapping(self.slot_mapping, num_blocks * block_size, allow_padding=False)
         if tables and self.num_decodes:
             n = self.num_prefills
@@ -588,4 +596,5 @@ class AttentionMetadata:
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
             num_prefills=num_prefills,
             num_prefill_tokens=starts[num_prefills],
+            max_decode_seq_len=max(seq_lens[num_prefills:], default=None),
         )

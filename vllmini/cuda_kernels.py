@@ -1,23 +1,16 @@
-"""The CUDA kernels of kernels/*.cu: which exist (the registry), how one call is shaped (the launch plan),
-and how they are compiled and launched on torch tensors.
-
-The .cu files are plain text that the package reads (vllmini/kernels/ in a wheel, the top-level kernels/
-in a checkout). Versions: kernels/paged_attention_<n>_<what it adds>.cu, one file per idea (VERSIONS).
-With none asked for, the best is used (`resolve_kernel_version`): today version 5 for every dtype, at or
-near the read ceiling on every shape measured (benchmarks/RESULTS.md). Two runtimes run the same source:
-    "cupy"      NVRTC-compiled through cupy.RawModule (once per device), launched on torch's current
-                stream with raw device pointers (no cupy.asarray per argument: ~6 us instead of ~29 us).
-    "emulator"  vllmini.emulator.RawKernel: the unmodified source compiled for the CPU (tests, CI, laptops).
-compile_for_arch() compiles a source for a given GPU architecture with CuPy's low-level NVRTC binding; it
-needs neither a GPU nor a driver (only the nvidia-cuda-nvrtc wheel), which is how CI checks every kernel.
-Two ways in: `paged_attention_kernel` checks its arguments and launches one version;
-vllmini.paged_attention(..., backend="cupy"|"emulator") checks its own and calls `launch_paged_attention`.
+"""The CUDA kernels of kernels/paged_attention_<n>_<what it adds>.cu (plain text; vllmini/kernels/ in a
+wheel): which exist (VERSIONS), how a call is shaped (launch_plan), how it is compiled and launched on
+torch tensors: "cupy" (NVRTC through cupy.RawModule once per device, cuLaunchKernel on torch's current
+stream) or "emulator" (vllmini.emulator: the same source on the CPU). compile_for_arch() needs no GPU: CI
+compiles every kernel with it. `paged_attention_kernel` checks its arguments and launches one version;
+vllmini.paged_attention checks its own and calls `launch_paged_attention` (plan_call, then run).
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
-import warnings
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -42,18 +35,20 @@ DTYPE_SUFFIX = dict(zip(FLOAT_DTYPES, ("", "_f16", "_bf16"), strict=True))  # en
 
 WARP_SIZE = 32
 MAX_HEAD_SIZE = 256  # versions 2-5: head_size / 32 floats per lane in registers
+TENSOR_CORE_HEAD_SIZES = (64, 128)  # version 6: one compiled copy per head size
+TENSOR_CORE_ARCH = (8, 0)  # mma.sync m16n8k16 with bf16 inputs: sm_80 and newer
 MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
 DEFAULT_SHARED_BYTES = 48 * 1024  # dynamic shared memory a block gets without opting in
 MAX_SHARED_BYTES = 232448  # the most an H100/H200 block may opt into (227 KiB); less on older GPUs
 EMULATOR_SMS = 4  # the "multiprocessors" launch_plan assumes for the emulator (a CPU runs blocks one by one)
 SPLIT_TARGET_BLOCKS_PER_SM = 8  # version 5 splits contexts until the grid has this many blocks per SM
-MIN_SPLIT_TOKENS = 256  # ... but into no piece shorter than this (the merge would cost more than it gains)
+TENSOR_CORE_BLOCKS_PER_SM = 3  # version 6: 168 registers x 128 threads, 3 blocks fit an SM
+MAX_TENSOR_CORE_SPLITS = 4
+MIN_SPLIT_TOKENS = 256  # no context piece shorter than this (the merge would cost more than it gains)
 MERGE_THREADS = 128
 ERROR_FIELDS = 5  # the guard's record: flag, sequence, table entry (-1: seq_lens), value, limit
 
-_cupy_modules: dict[tuple[str, int], object] = {}  # (file, device) -> cupy.RawModule
-_cupy_kernels: dict[tuple[str, str, int], object] = {}  # (file, function, device) -> kernel
-_cupy_streams: dict[tuple[int, int], object] = {}  # (device, torch stream handle) -> cupy.ExternalStream
+_cupy_modules: dict[tuple, object] = {}  # (file, device, source, options) -> cupy.RawModule
 _error_buffers: dict[torch.device, torch.Tensor] = {}  # device -> int32 [ERROR_FIELDS], zero when clean
 
 
@@ -122,6 +117,14 @@ VERSIONS: tuple[KernelVersion, ...] = (
     KernelVersion(
         5, "gqa_split", FLOAT_DTYPES, 128, True, "a block per KV head, split contexts, fewer shuffles, guard"
     ),
+    KernelVersion(
+        6,
+        "tensor_cores",
+        (torch.float16, torch.bfloat16),
+        128,
+        True,
+        "a GQA group packed into an mma tile: QK^T and P.V on tensor cores",
+    ),  # fmt: skip
 )
 
 
@@ -140,21 +143,29 @@ def kernel_versions() -> dict[int, KernelVersion]:
 
 
 def resolve_kernel_version(
-    version: KernelVersion | int | str | None, dtype: torch.dtype | None = None
+    version: KernelVersion | int | str | None,
+    dtype: torch.dtype | None = None,
+    *,
+    head_size: int | None = None,
+    group: int = 1,
+    tensor_cores: bool = True,
 ) -> KernelVersion:
-    """A KernelVersion from a number (4), a name ("half_warps"), a stem ("4_half_warps") or itself; None
-    picks the best: the highest-numbered version present that has an entry point for `dtype` (today 5 for
-    every dtype; version 5 then chooses its own heads per block and context splits, see launch_plan)."""
+    """A KernelVersion from a number (4), a name ("half_warps"), a stem ("4_half_warps") or itself. None:
+    the auto rule, version 6 for float16/bfloat16, head size 64 or 128, a GQA group > 1 and tensor cores
+    (sm_80+; the emulator models them), version 5 otherwise (MHA, float32, other heads, older GPUs)."""
     versions = kernel_versions()
     if isinstance(version, KernelVersion):
         chosen = version
     elif version is None:
-        usable = [v for v in versions.values() if dtype is None or dtype in v.dtypes]
+        six = versions.get(6)
+        if six and dtype in six.dtypes and head_size in TENSOR_CORE_HEAD_SIZES and group > 1 and tensor_cores:
+            return six
+        usable = [v for n, v in versions.items() if n < 6 and (dtype is None or dtype in v.dtypes)]
         if not usable:
             raise InvalidTypeError(
                 f"no paged-attention kernel takes {dtype}; kernels exist for {FLOAT_DTYPES}"
             )
-        return max(usable, key=lambda v: v.number)
+        return usable[-1]
     elif isinstance(version, str):
         found = [v for v in versions.values() if version in (v.name, f"{v.number}_{v.name}", v.file)]
         if not found:
@@ -175,19 +186,22 @@ def resolve_kernel_version(
     return chosen
 
 
-# ----------------------------------------------------------------------------- the launch plan
+@functools.cache
+def has_tensor_cores(device_index: int) -> bool:
+    """True when the CUDA device runs version 6's mma.sync m16n8k16 (sm_80 or newer; asked once)."""
+    return torch.cuda.get_device_capability(device_index) >= TENSOR_CORE_ARCH
 
 
 class LaunchPlan(NamedTuple):
-    """How one call launches a version: the main kernel's shape and, for version 5, its work split."""
+    """How one call launches a version: the main kernel's shape and, for versions 5-6, its work split."""
 
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
     shared_mem: int  # dynamic shared memory, bytes
-    heads_per_block: int  # query heads one block serves (version 5: a GQA group, at most 4)
+    heads_per_block: int  # query heads one block serves (a GQA group, or part of one)
     num_splits: int  # context pieces per (sequence, head block); > 1 adds the merge kernel
     pages_per_split: int
-    options: tuple[str, ...]  # extra NVRTC options (version 5 compiles one head-size copy per module)
+    options: tuple[str, ...]  # extra NVRTC options (versions 5-6 compile one copy per module)
 
 
 @functools.cache
@@ -196,6 +210,7 @@ def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=4096)
 def launch_plan(
     version: KernelVersion,
     num_seqs: int,
@@ -207,16 +222,16 @@ def launch_plan(
     dtype: torch.dtype,
     sms: int,
     num_splits: int | None = None,
+    max_seq_len: int | None = None,
 ) -> LaunchPlan:
-    """The launch of `version` for these sizes on a GPU with `sms` multiprocessors.
-
-    Versions 1-4: one block per (sequence, query head). Version 5: one block per (sequence, group of
-    heads_per_block query heads sharing a KV head, context piece); heads_per_block is the largest of 4, 2,
-    1 that divides the GQA group (2 at most for 16-bit head sizes above 128: registers). The context is
-    split when the grid would have fewer than SPLIT_TARGET_BLOCKS_PER_SM blocks per SM, into as many
-    pieces as fill it but none shorter than MIN_SPLIT_TOKENS tokens. The lengths are not known on the
-    host without a sync, so the pieces are cut from the block table's width (max_num_blocks_per_seq *
-    block_size); a piece past a shorter sequence's end exits at once. `num_splits` forces a count."""
+    """The launch of `version` for these sizes on a GPU with `sms` multiprocessors (cached). Versions 1-4:
+    a block per (sequence, query head); 5-6: per (sequence, heads_per_block query heads of a GQA group,
+    context piece). Version 5: heads_per_block the largest of 4, 2, 1 dividing the group (2 at most for
+    16-bit heads above 128), splits until SPLIT_TARGET_BLOCKS_PER_SM blocks per SM. Version 6: the group's
+    largest divisor up to 16 (the mma tile's rows); a grid within one wave of TENSOR_CORE_BLOCKS_PER_SM
+    per SM is split to fill it, a larger one into the 1-4 pieces whose last wave is fullest. No piece
+    under MIN_SPLIT_TOKENS; pieces cut from max_seq_len, the longest sequence as the host knows it
+    (None: the table's width); `num_splits` forces a count."""
     chunks = cdiv(head_size, WARP_SIZE)  # 32-dim chunks of a head
     if version.number < 5:
         if version.number == 1:
@@ -227,28 +242,43 @@ def launch_plan(
             (num_seqs, num_heads, 1), (version.threads, 1, 1), shared_mem, 1, 1, max_num_blocks_per_seq, ()
         )
     group = num_heads // num_kv_heads
-    sixteen = dtype != torch.float32
-    hb_max = 1 if group == 1 else (2 if sixteen and chunks > 4 else 4)
-    heads_per_block = max(h for h in (4, 2, 1) if h <= hb_max and group % h == 0)
-    compiled_hb = 1 if heads_per_block == 1 else hb_max  # the copy's HBMAX (registers, shared memory)
+    longest = max_num_blocks_per_seq * block_size if max_seq_len is None else max_seq_len
+    used = min(cdiv(longest, block_size), max_num_blocks_per_seq)  # the pages the pieces cover
+    if version.number == 5:
+        sixteen = dtype != torch.float32
+        hb_max = 1 if group == 1 else (2 if sixteen and chunks > 4 else 4)
+        heads_per_block = max(h for h in (4, 2, 1) if h <= hb_max and group % h == 0)
+        compiled_hb = 1 if heads_per_block == 1 else hb_max  # the copy's HBMAX (registers, shared memory)
+        shared_mem = (version.threads // (16 if sixteen else 32)) * compiled_hb * (head_size + 2) * 4
+        options = (f"-DVLLMINI_ONLY_CHUNKS={chunks}", f"-DVLLMINI_ONLY_GQA={int(heads_per_block > 1)}")
+        slots = SPLIT_TARGET_BLOCKS_PER_SM * sms
+    else:
+        heads_per_block = max(h for h in range(1, 17) if group % h == 0)
+        rows16 = heads_per_block > 8
+        shared_mem = (version.threads // WARP_SIZE) * (16 if rows16 else 8) * (head_size + 2) * 4
+        options = (f"-DVLLMINI_ONLY_HEAD={head_size}", f"-DVLLMINI_ONLY_ROWS16={int(rows16)}")
+        slots = TENSOR_CORE_BLOCKS_PER_SM * sms
     blocks = num_seqs * (num_heads // heads_per_block)
     if num_splits is None:
-        target = SPLIT_TARGET_BLOCKS_PER_SM * sms
-        longest = max_num_blocks_per_seq * block_size
-        num_splits = 1 if blocks >= target else min(cdiv(target, blocks), max(1, longest // MIN_SPLIT_TOKENS))
-    num_splits = max(1, min(num_splits, max_num_blocks_per_seq))
-    pages_per_split = cdiv(max_num_blocks_per_seq, num_splits)
-    num_splits = cdiv(max_num_blocks_per_seq, pages_per_split)  # no empty piece at the end
-    lane_group = 16 if sixteen else 32
-    shared_mem = (version.threads // lane_group) * compiled_hb * (head_size + 2) * 4
-    options = (f"-DVLLMINI_ONLY_CHUNKS={chunks}", f"-DVLLMINI_ONLY_GQA={int(heads_per_block > 1)}")
+        num_splits = _num_splits(version.number, blocks, slots, longest)
+    num_splits = max(1, min(num_splits, used))
+    pages_per_split = cdiv(used, num_splits)
+    num_splits = cdiv(used, pages_per_split)  # no empty piece at the end
     grid = (num_seqs, num_heads // heads_per_block, num_splits)
     return LaunchPlan(
         grid, (version.threads, 1, 1), shared_mem, heads_per_block, num_splits, pages_per_split, options
     )
 
 
-# ----------------------------------------------------------------------------- compiling
+def _num_splits(number: int, blocks: int, slots: int, longest: int) -> int:
+    """Context pieces for a grid of `blocks` on `slots` resident blocks (launch_plan's rule)."""
+    most = max(1, longest // MIN_SPLIT_TOKENS)
+    if number == 5:
+        return 1 if blocks >= slots else min(cdiv(slots, blocks), most)
+    if blocks <= slots:  # one wave or less: fill it
+        return max(1, min(slots // blocks, most))
+    fill = lambda s: cdiv(blocks * s, slots) * slots / (blocks * s)  # noqa: E731  (ceil(waves) / waves)
+    return min(range(1, min(MAX_TENSOR_CORE_SPLITS, most) + 1), key=fill)  # the fullest last wave
 
 
 def _nvrtc():
@@ -275,10 +305,8 @@ def nvrtc_version() -> tuple[int, int]:
 def compile_for_arch(
     source: str, arch: str, *, name: str = "kernel.cu", options: tuple[str, ...] = ()
 ) -> bytes:
-    """Compile CUDA source for one architecture with NVRTC, no GPU needed.
-
-    arch "sm_XX" gives a cubin, "compute_XX" gives PTX. Raises RuntimeError with NVRTC's log on errors.
-    """
+    """Compile CUDA source for one architecture with NVRTC, no GPU needed: "sm_XX" gives a cubin,
+    "compute_XX" PTX. KernelBuildError (a RuntimeError) with NVRTC's log on errors."""
     if not (arch.startswith("sm_") or arch.startswith("compute_")) or not arch.split("_", 1)[1].isdigit():
         raise InvalidArgumentError(f"arch must look like 'sm_80' or 'compute_80', got {arch!r}")
     nvrtc = _nvrtc()
@@ -295,34 +323,19 @@ def compile_for_arch(
         nvrtc.destroyProgram(prog)
 
 
-def _cupy_kernel(
-    file: str, function: str, device: int, source: str | None = None, options: tuple[str, ...] = ()
-):
-    """cupy.RawKernel for kernels/<file>.cu::function on a device; the file is compiled once per device
-    and set of extra NVRTC options. `source` replaces the file's text (benchmarks comparing variants)."""
-    key = (file if source is None else f"{file}@{hash(source)}") + "".join(options)
-    if (key, function, device) not in _cupy_kernels:
-        import cupy
-
-        with cupy.cuda.Device(device):
-            if (key, device) not in _cupy_modules:
-                code = read_kernel_source(file) if source is None else source
-                _cupy_modules[key, device] = cupy.RawModule(code=code, options=(*NVRTC_OPTIONS, *options))
-            _cupy_kernels[key, function, device] = _cupy_modules[key, device].get_function(function)
-    return _cupy_kernels[key, function, device]
-
-
-def _torch_stream(device: torch.device):
-    """torch's current stream on a device, as a CuPy stream (cached by handle)."""
+@functools.cache
+def _cupy_kernel(file: str, function: str, device: int, source: str | None = None, options: tuple = ()):
+    """cupy.RawKernel for kernels/<file>.cu::function on a device, compiled once per device and set of
+    extra NVRTC options. `source` replaces the file's text (benchmarks comparing variants)."""
     import cupy
 
-    handle = torch.cuda.current_stream(device).cuda_stream
-    key = (device.index, handle)
-    if key not in _cupy_streams:
-        with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream; older CuPy lacks the new API
-            warnings.simplefilter("ignore", DeprecationWarning)
-            _cupy_streams[key] = cupy.cuda.ExternalStream(handle, device.index)
-    return _cupy_streams[key]
+    with cupy.cuda.Device(device):
+        if (file, device, source, options) not in _cupy_modules:
+            code = read_kernel_source(file) if source is None else source
+            _cupy_modules[file, device, source, options] = cupy.RawModule(
+                code=code, options=(*NVRTC_OPTIONS, *options)
+            )
+        return _cupy_modules[file, device, source, options].get_function(function)
 
 
 @functools.cache
@@ -331,9 +344,6 @@ def _emulator_kernel(file: str, function: str):
     from vllmini.emulator import RawKernel
 
     return RawKernel(read_kernel_source(file), function)
-
-
-# ----------------------------------------------------------------------------- launching any version
 
 
 def paged_attention_kernel(
@@ -350,32 +360,23 @@ def paged_attention_kernel(
     error: torch.Tensor | None = None,  # int32 [5] guard record (versions with guard=True), or None
     num_splits: int | None = None,
     source: str | None = None,
+    max_seq_len: int | None = None,
 ) -> torch.Tensor:
-    """Launch one kernel version (None: the best, resolve_kernel_version) on contiguous inputs; fills and
-    returns out. First checks what no kernel survives (runtime and devices, dtypes, layout, a guard record
-    for a version without a guard), then `launch_paged_attention`. Sync-free: nothing is read back from
-    the device. runtime "cupy" needs CUDA tensors, "emulator" CPU tensors. `error` turns on the in-kernel
-    guard of versions that have one: bad page ids are never read, their rows come out NaN and the first
-    one is recorded in `error` (see check_kernel_errors); without it the kernel trusts the tables.
-    `num_splits` forces version 5's context split (tests); `source` (cupy only) launches another text
-    with the same arguments, for benchmarks of variants."""
-    kernel = resolve_kernel_version(version, query.dtype)
+    """Launch one kernel version (None: the auto rule) on contiguous inputs, sync-free; fills and returns
+    out. Checks first what no kernel survives (runtime and devices, dtypes, layout, a guard record for a
+    version without a guard). `error` turns on the in-kernel guard (bad page ids never read, their rows
+    NaN, the first recorded: check_kernel_errors). `num_splits` forces the split (tests), `max_seq_len`:
+    launch_plan; `source` (cupy) launches another text with the same arguments (benchmarks)."""
     one_of(runtime, "runtime", RUNTIMES)
     tensors = (query, key_cache, value_cache, block_tables, seq_lens, out)
     names = ("query", "key_cache", "value_cache", "block_tables", "seq_lens", "out")
-    for arg, t in zip(names[1:3], tensors[1:3], strict=True):
-        if t.dtype != query.dtype:
+    for i, (arg, t) in enumerate(zip(names, tensors, strict=True)):
+        if i in (1, 2) and t.dtype != query.dtype:
             raise InvalidTypeError(f"{arg} must have the query's dtype {query.dtype}, got {t.dtype}")
-    for arg, t in zip(names[3:5], tensors[3:5], strict=True):
-        if t.dtype != torch.int32:
+        if i in (3, 4) and t.dtype != torch.int32:
             raise InvalidTypeError(f"{arg} must be int32, got {t.dtype}")
-    for arg, t in zip(names, tensors, strict=True):
         if not t.is_contiguous():
             raise InvalidArgumentError(f"{arg} must be contiguous (vllmini.paged_attention makes it so)")
-    if query.shape[1] % key_cache.shape[2] != 0:
-        raise InvalidArgumentError(
-            f"num_heads ({query.shape[1]}) must be a multiple of num_kv_heads ({key_cache.shape[2]})"
-        )
     if runtime == "cupy" and any(t.device.type != "cuda" or t.device != query.device for t in tensors):
         raise InvalidArgumentError(
             f"runtime 'cupy' needs all tensors on one CUDA device; query is on {query.device}"
@@ -386,12 +387,29 @@ def paged_attention_kernel(
         raise InvalidArgumentError(
             f"out must be {query.dtype} {tuple(query.shape)}, got {out.dtype} {tuple(out.shape)}"
         )
+    kernel = resolve_call_version(version, query, key_cache.shape[2], runtime)
     if error is not None and not kernel.guard:
         raise InvalidArgumentError(
             f"kernel version {kernel.number} ({kernel.name}) has no in-kernel guard; pass error=None"
         )
     inputs = (query, key_cache, value_cache, block_tables, seq_lens)
-    return launch_paged_attention(inputs, scale, out, runtime, kernel, error, num_splits, source)
+    return launch_paged_attention(inputs, scale, out, runtime, kernel, error, num_splits, source, max_seq_len)
+
+
+def check_head_layout(num_heads: int, num_kv_heads: int) -> None:
+    """num_heads a positive multiple of num_kv_heads (each KV head serves a group of query heads)."""
+    if num_kv_heads < 1 or num_heads < 1 or num_heads % num_kv_heads != 0:
+        raise InvalidArgumentError(
+            f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})"
+        )
+
+
+def resolve_call_version(version, query: torch.Tensor, num_kv_heads: int, runtime: str) -> KernelVersion:
+    """resolve_kernel_version for a call on `query`: its dtype, head size, GQA group, GPU."""
+    num_heads, head_size = query.shape[1], query.shape[2]
+    check_head_layout(num_heads, num_kv_heads)
+    cores, group = runtime == "emulator" or has_tensor_cores(query.device.index), num_heads // num_kv_heads
+    return resolve_kernel_version(version, query.dtype, head_size=head_size, group=group, tensor_cores=cores)
 
 
 def launch_paged_attention(
@@ -403,93 +421,141 @@ def launch_paged_attention(
     error: torch.Tensor | None = None,
     num_splits: int | None = None,
     source: str | None = None,
+    max_seq_len: int | None = None,
 ) -> torch.Tensor:
     """`paged_attention_kernel` after its checks, for a caller that made the same ones
-    (vllmini.paged_attention). Raises only for the limits of the kernel and the GPU (head size, grid,
-    shared memory), which depend on the launch alone and no caller checks."""
-    query, key_cache, value_cache, block_tables, seq_lens = inputs
-    assert out.shape == query.shape and out.dtype == query.dtype and (error is None or kernel.guard)
-    (num_seqs, num_heads, head_size), (_, block_size, num_kv_heads, _) = query.shape, key_cache.shape
+    (vllmini.paged_attention): `plan_call` (once per shape), then its `run`."""
+    query, key_cache, _, block_tables, _ = inputs
+    shapes = (query.shape, key_cache.shape, block_tables.shape[1])
+    call = plan_call(kernel, runtime, query.device, query.dtype, *shapes, num_splits, max_seq_len, source)
+    return out if call is None else call.run(inputs, out, error, scale)
+
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # torch's current stream, as an int
+
+
+class PreparedCall(NamedTuple):
+    """Everything the calls of one shape share (`plan_call`); `run` launches one call."""
+
+    plan: LaunchPlan
+    main: object  # the kernel, called as (grid, block, shared_mem, stream, *values): _Packer or _emulated
+    merge: object | None  # the same for the merge kernel when the context is split, else None
+    ints: tuple[int, ...]  # the main kernel's int32 arguments, in its signature's order
+    part_floats: int  # floats of part_out and part_ml together, 0 without a split
+    device: torch.device
+    number: int  # the kernel version
+
+    def run(self, inputs: tuple, out: torch.Tensor, error: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """Allocate the split's partials, gather the pointers, launch on torch's current stream: fills out."""
+        query, key_cache, value_cache = inputs[:3]
+        if (query.data_ptr() | key_cache.data_ptr() | value_cache.data_ptr()) & 15:
+            # the kernels read 16-byte vectors: a view that starts mid-row (an odd storage offset) is copied
+            inputs = tuple(t if t.data_ptr() % 16 == 0 else t.clone() for t in inputs)
+        pointers, plan, device = [t.data_ptr() for t in inputs], self.plan, self.device
+        out_raw, part_out, part_ml = out, 0, 0
+        if self.number < 5:  # versions 1-4 write float32: a 16-bit out is rounded once, after
+            out_raw = out if out.dtype == torch.float32 else torch.empty(out.shape, device=device)
+            values = (out_raw.data_ptr(), *pointers, *self.ints, scale)
+        else:
+            if self.merge is not None:
+                part = torch.empty(self.part_floats, dtype=torch.float32, device=device)  # part_out, part_ml
+                part_out = part.data_ptr()
+                part_ml = part_out + 4 * self.part_floats // (self.ints[3] + 2) * self.ints[3]
+            err = 0 if error is None else error.data_ptr()
+            values = (out.data_ptr(), part_out, part_ml, *pointers, err, *self.ints, scale)
+        stream = 0
+        if device.type == "cuda":
+            if torch.cuda.current_device() != device.index:
+                with torch.cuda.device(device.index):  # the kernels belong to the device's context
+                    return self.run(inputs, out, error, scale)
+            stream = (
+                _raw_stream(device.index) if _raw_stream else torch.cuda.current_stream(device).cuda_stream
+            )
+        self.main(plan.grid, plan.block, plan.shared_mem, stream, *values)
+        if self.merge is not None:
+            grid = (plan.grid[0], plan.grid[1] * plan.heads_per_block, 1)  # (sequence, query head)
+            merge_values = (out.data_ptr(), part_out, part_ml, plan.num_splits, self.ints[3])
+            self.merge(grid, (MERGE_THREADS, 1, 1), 0, stream, *merge_values)
+        if out_raw is not out:
+            out.copy_(out_raw)
+        return out
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_call(
+    kernel, runtime, device, dtype, q_shape, kc_shape, width, num_splits=None, max_seq_len=None, source=None
+) -> PreparedCall | None:
+    """The plan half of a call, for one shape (cached): the checks that depend on the launch alone (head
+    size, grid, tensor cores, shared memory, max_seq_len's range), the plan, the kernels and their int
+    arguments; None for an empty batch."""
+    (num_seqs, num_heads, head_size), (num_blocks, block_size, num_kv_heads, _) = q_shape, kc_shape
+    if kernel.number == 6 and head_size not in TENSOR_CORE_HEAD_SIZES:
+        raise InvalidArgumentError(f"kernel version 6 supports head_size 64 or 128, got {head_size}")
     if kernel.number > 1 and head_size > MAX_HEAD_SIZE:
         raise InvalidArgumentError(
             f"kernel version {kernel.number} supports head_size <= {MAX_HEAD_SIZE}, got {head_size}"
         )
     if num_heads > MAX_GRID_YZ:
         raise InvalidArgumentError(f"num_heads must be <= {MAX_GRID_YZ} (gridDim.y), got {num_heads}")
+    if runtime == "cupy" and kernel.number == 6 and not has_tensor_cores(device.index):
+        raise InvalidArgumentError(
+            f"kernel version 6 needs the tensor cores of sm_80 or newer; {device} has none"
+        )
+    if max_seq_len is not None:
+        max_seq_len = as_int(max_seq_len, "max_seq_len", min=1, max=width * block_size)
     if num_seqs == 0:
-        return out
-    sms = num_sms(query.device.index) if runtime == "cupy" else EMULATOR_SMS
-    width = block_tables.shape[1]  # max_num_blocks_per_seq
-    plan = launch_plan(
-        kernel, num_seqs, num_heads, num_kv_heads, head_size, block_size, width, query.dtype, sms, num_splits
-    )
+        return None
+    sms = num_sms(device.index) if runtime == "cupy" else EMULATOR_SMS
+    sizes = (num_seqs, num_heads, num_kv_heads, head_size, block_size, width)
+    plan = launch_plan(kernel, *sizes, dtype, sms, num_splits, max_seq_len)
     if plan.shared_mem > MAX_SHARED_BYTES:  # version 1 keeps every score of the context in shared memory
         raise InvalidArgumentError(
             f"kernel version {kernel.number} needs {plan.shared_mem} bytes of shared memory for a block "
             f"table of {width} x {block_size} tokens; at most {MAX_SHARED_BYTES} (H100/H200)"
         )
-    # the kernels read 16-byte vectors: a view that starts mid-row (a rare, odd storage offset) is copied
-    query, key_cache, value_cache = (
-        t if t.data_ptr() % 16 == 0 else t.clone() for t in (query, key_cache, value_cache)
+    ints = (block_size, num_heads, head_size, num_kv_heads, width)
+    if kernel.number >= 5:
+        ints = (num_blocks, *ints, plan.heads_per_block, plan.pages_per_split)
+    split = kernel.number >= 5 and plan.num_splits > 1
+    names = (kernel.function(dtype), f"{kernel.file}_merge{DTYPE_SUFFIX[dtype]}" if split else None)
+    file, index = kernel.file, device.index
+    if runtime == "emulator":
+        main, merge = (name and functools.partial(_emulated, _emulator_kernel(file, name)) for name in names)
+    else:  # versions 5-6: plan.options pick one copy of the kernel per module
+        main, merge = (name and _cupy_kernel(file, name, index, source, plan.options) for name in names)
+        if plan.shared_mem > DEFAULT_SHARED_BYTES and main.max_dynamic_shared_size_bytes < plan.shared_mem:
+            main.max_dynamic_shared_size_bytes = plan.shared_mem  # opt in (raises if the GPU has less)
+        main, merge = _Packer(main, 9 if kernel.number >= 5 else 6, len(ints)), merge and _Packer(merge, 3, 2)
+    part_floats = num_seqs * num_heads * plan.num_splits * (head_size + 2) if split else 0
+    return PreparedCall(plan, main, merge, ints, part_floats, device, kernel.number)
+
+
+class _Packer:
+    """A cupy kernel and its cuLaunchKernel arguments: an 8-byte slot each (pointers, int32s, the scale),
+    packed per launch and copied by the driver: the buffer is free again on return (one thread at a time)."""
+
+    def __init__(self, kernel, pointers: int, ints: int):
+        from cupy_backends.cuda.api import driver
+
+        self.launch, self.function = driver.launchKernel, kernel.kernel.ptr
+        scale = ints > 2  # the merge kernels end with two ints, the attention kernels with the scale
+        n = pointers + ints + scale
+        self.struct = struct.Struct("<" + "Q" * pointers + "i4x" * ints + "f4x" * scale)
+        self.buffer = ctypes.create_string_buffer(8 * n)
+        base = ctypes.addressof(self.buffer)
+        self.params = (ctypes.c_void_p * n)(*range(base, base + 8 * n, 8))
+        self.address = ctypes.addressof(self.params)
+
+    def __call__(self, grid, block, shared_mem: int, stream: int, *values) -> None:
+        self.struct.pack_into(self.buffer, 0, *values)
+        self.launch(self.function, *grid, *block, shared_mem, stream, self.address, 0)
+
+
+def _emulated(kernel, grid, block, shared_mem: int, stream: int, *values) -> None:
+    """An emulator kernel behind _Packer's call: the same values (pointers as raw CPU addresses)."""
+    kernel(
+        grid, block, tuple(np.float32(v) if type(v) is float else v for v in values), shared_mem=shared_mem
     )
-    args, out_raw, (part_out, part_ml) = _kernel_args(
-        kernel, plan, (query, key_cache, value_cache, block_tables, seq_lens), out, error, scale
-    )
-    # version 5's compile options pick its copy of the kernel; the emulator builds every copy once
-    options = plan.options if kernel.number >= 5 and runtime == "cupy" else ()
-    device = query.device
-
-    def launch(function: str, grid, block, launch_args, shared_mem: int) -> None:
-        _launch(kernel.file, function, runtime, device, grid, block, launch_args, shared_mem, source, options)
-
-    launch(kernel.function(query.dtype), plan.grid, plan.block, args, plan.shared_mem)
-    if kernel.number < 5:
-        if out_raw is not out:
-            out.copy_(out_raw)  # the kernel accumulates and writes float32; round once, here
-    elif plan.num_splits > 1:
-        merge_args = (out_raw, part_out, part_ml, np.int32(plan.num_splits), np.int32(head_size))
-        merge = f"{kernel.file}_merge{DTYPE_SUFFIX[query.dtype]}"
-        launch(merge, (num_seqs, num_heads, 1), (MERGE_THREADS, 1, 1), merge_args, 0)
-    return out
-
-
-def _kernel_args(kernel: KernelVersion, plan, inputs: tuple, out: torch.Tensor, error, scale: float):
-    """The launch arguments of version `v` (in its .cu signature's order), the buffer the kernel writes,
-    and version 5's split partials (None, None without a split)."""
-    query, key_cache, value_cache, block_tables, seq_lens = inputs
-    num_seqs, num_heads, head_size = query.shape
-    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
-    raw = [t if t.dtype == torch.float32 else t.view(torch.uint16) for t in (query, key_cache, value_cache)]
-    ints = (block_size, num_heads, head_size, num_kv_heads, block_tables.shape[1])
-    if kernel.number < 5:  # (out float32, q, k, v, tables, lens, sizes..., scale); out cast after
-        out_raw = out if out.dtype == torch.float32 else out.new_empty(out.shape, dtype=torch.float32)
-        args = (out_raw, *raw, block_tables, seq_lens, *map(np.int32, ints), np.float32(scale))
-        return args, out_raw, (None, None)
-    # (out, split partials, q, k, v, tables, lens, guard record, sizes..., scale)
-    out_raw = out if out.dtype == torch.float32 else out.view(torch.uint16)
-    part_out = part_ml = None
-    if plan.num_splits > 1:
-        part_out = out.new_empty(num_seqs, num_heads, plan.num_splits, head_size, dtype=torch.float32)
-        part_ml = out.new_empty(num_seqs, num_heads, plan.num_splits, 2, dtype=torch.float32)
-    sizes = (num_blocks, *ints, plan.heads_per_block, plan.pages_per_split)
-    args = (out_raw, part_out, part_ml, *raw, block_tables, seq_lens, error, *map(np.int32, sizes),
-            np.float32(scale))  # fmt: skip
-    return args, out_raw, (part_out, part_ml)
-
-
-def _launch(file, function, runtime, device, grid, block, args, shared_mem, source, options) -> None:
-    """One launch through CuPy (on torch's current stream, raw pointers) or the emulator."""
-    if runtime == "cupy":
-        import cupy
-
-        kernel = _cupy_kernel(file, function, device.index, source, options)
-        if shared_mem > DEFAULT_SHARED_BYTES and kernel.max_dynamic_shared_size_bytes < shared_mem:
-            kernel.max_dynamic_shared_size_bytes = shared_mem  # opt in (raises if the GPU has less)
-        cargs = tuple(0 if a is None else a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
-        with cupy.cuda.Device(device.index), _torch_stream(device):
-            kernel(grid, block, cargs, shared_mem=shared_mem)
-    else:
-        _emulator_kernel(file, function)(grid, block, args, shared_mem=shared_mem)
 
 
 # ----------------------------------------------------------------------------- the in-kernel guard's record
@@ -497,14 +563,15 @@ def _launch(file, function, runtime, device, grid, block, args, shared_mem, sour
 
 def _normalize_device(device: torch.device | str) -> torch.device:
     device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if device.type == "cuda" and device.index is None
+        else device
+    )
 
 
 def kernel_error_buffer(device: torch.device | str) -> torch.Tensor:
-    """The int32 [5] buffer the guarded kernels on `device` record their first violation in (made on
-    first use: make one guarded call before capturing a CUDA graph)."""
+    """The int32 [5] record of the guarded kernels on `device` (made on first use: before a graph capture)."""
     device = _normalize_device(device)
     if device not in _error_buffers:
         _error_buffers[device] = torch.zeros(ERROR_FIELDS, dtype=torch.int32, device=device)
@@ -514,14 +581,11 @@ def kernel_error_buffer(device: torch.device | str) -> torch.Tensor:
 def check_kernel_errors(device: torch.device | str | None = None) -> None:
     """Raise InvalidBlockTableError if a guarded kernel call (validate="guard", the default for CUDA
     tensors) saw a bad block id or seq_len since the last check; clears the record. One device->host
-    copy (a sync) per device checked: call it once per step (the engine does, before committing a
-    step), not per layer. `device` None checks every device that has a record."""
-    devices = list(_error_buffers) if device is None else [_normalize_device(device)]
-    for d in devices:
+    copy (a sync) per device checked: call it once per step (the engine does), not per layer. `device`
+    None checks every device that has a record."""
+    for d in list(_error_buffers) if device is None else [_normalize_device(device)]:
         buf = _error_buffers.get(d)
-        if buf is None:
-            continue
-        flag, seq, entry, value, limit = buf.tolist()
+        flag, seq, entry, value, limit = [0] * ERROR_FIELDS if buf is None else buf.tolist()
         if not flag:
             continue
         buf.zero_()

@@ -196,7 +196,8 @@ class Attention(nn.Module):
                 meta.block_tables[num_prefills:],
                 meta.seq_lens[num_prefills:],
                 backend=backend,
-                validate=validate,  # "guard", or False: checked in check_metadata
+                validate=validate,  # "guard", or False: the model checked the tables (check_metadata)
+                max_seq_len=meta.max_decode_seq_len,  # known on the host: the kernels' splits
             )  # (T - split, nh, hd)
             if out is None:
                 out = decoded
