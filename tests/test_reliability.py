@@ -77,7 +77,7 @@ def commit_sites(engine) -> dict[str, tuple[object, str]]:
 
 def explorer_import() -> str:
     """The import line of the page-table explorer (it moves to vllmini.course)."""
-    return "from vllmini.viz import PageTableExplorer"
+    return "from vllmini.course.explorer import PageTableExplorer"
 
 
 # -----------------------------------------------------------------------------

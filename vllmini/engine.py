@@ -11,8 +11,9 @@ finished ones. `stats` keeps one `StepStats` per step (vllmini.outputs).
 A step is all-or-nothing. An exception or Ctrl-C before the step commits (in scheduling, the forward or
 sampling) rolls it back: allocations, appends and preemptions undone, random generators restored, so the
 next `step()` does the same work again and the outputs equal an uninterrupted run. Ctrl-C during the
-commit (appending tokens, finishing requests) waits until the commit is done. A request whose sampling
-fails finishes alone with finish_reason "error"; `abort_request` stops one request.
+commit (appending tokens, finishing requests) waits until the commit is done; an exception there is
+rolled back as well. A request whose sampling fails finishes alone with finish_reason "error";
+`abort_request` stops one request.
 
 Sharing pages: the n samples of `SamplingParams(n=...)` share their prompt's pages until each copies the
 block it writes into (copy-on-write: one indexed copy per cache tensor, before the step's forward);
@@ -307,6 +308,7 @@ class LLMEngine:
         sched = self.scheduler
         with DeferSigint() as sigint:
             snapshot, before, out, saved = sched.snapshot(), sched.num_preemptions, None, []
+            num_ready = len(self._ready)
             try:
                 out = sched.schedule()
                 usage = sched.usage(out)  # the KV memory during this step's forward
@@ -316,14 +318,15 @@ class LLMEngine:
                 self.runner.copy_blocks(copies)
                 sampled = self._forward_and_sample(out, saved) if not out.is_empty else ([], [])
                 sigint.hold()
+                if not out.is_empty:  # a failure in the commit is undone too
+                    self._commit(out, sampled, usage, sched.num_preemptions - before, len(copies), t0)
             except BaseException:
                 sigint.hold()
                 sched.restore(snapshot, stale=out.preempted if out is not None else ())
                 for seq, state in saved:
                     seq.generator.set_state(state)
+                del self._ready[num_ready:]
                 raise
-            if not out.is_empty:
-                self._commit(out, sampled, usage, sched.num_preemptions - before, len(copies), t0)
         if sigint.interrupted:  # Ctrl-C during the commit: the results wait for the next step()
             raise KeyboardInterrupt
         ready, self._ready = self._ready, []

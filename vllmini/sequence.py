@@ -80,6 +80,22 @@ class Sequence:
         """The most tokens it can ever hold: prompt + max_tokens."""
         return len(self.prompt_token_ids) + self.max_tokens
 
+    # what a step may change of a sequence besides its lists, for `snapshot` and `restore`
+    STEP_FIELDS = (
+        "status num_preemptions num_computed_tokens finish_reason error stop_reason text_end num_streamed"
+    ).split()
+
+    def snapshot(self) -> tuple:
+        """What a step may change of this sequence, for `restore` (a failed step is undone)."""
+        lengths = len(self.output_token_ids), len(self.output_logprobs), len(self.block_hashes)
+        return lengths, [getattr(self, name) for name in self.STEP_FIELDS]
+
+    def restore(self, state: tuple) -> None:
+        (num_out, num_lp, num_hashes), values = state
+        for name, value in zip(self.STEP_FIELDS, values, strict=True):
+            setattr(self, name, value)
+        del self.output_token_ids[num_out:], self.output_logprobs[num_lp:], self.block_hashes[num_hashes:]
+
     def __repr__(self) -> str:
         return (
             f"Sequence(seq_id={self.seq_id}, status={self.status.value}, prompt={len(self.prompt_token_ids)},"
