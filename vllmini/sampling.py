@@ -94,12 +94,15 @@ def sample_batch(
     from its own generator (one batched draw would mix their streams). The ops work row by row, so an
     entry's token does not depend on the others in the batch."""
     tokens: list[int | Exception] = [0] * len(rows)
-    greedy = [j for j, p in enumerate(params) if p.is_greedy]
-    if greedy:
-        best = logits.argmax(-1).tolist()  # (S,): one host sync for all greedy rows
-        for j in greedy:
-            tokens[j] = best[rows[j]]
-    sampled = [j for j, p in enumerate(params) if not p.is_greedy]
+    # a row holding NaN or +inf has no distribution: its entries fail (-inf only masks a token)
+    bad = (logits.isnan() | logits.isposinf()).any(-1)  # (S,)
+    best, bad = torch.stack([logits.argmax(-1), bad.long()]).tolist()  # (2, S): one host sync
+    for j, row in enumerate(rows):
+        if bad[row]:
+            tokens[j] = InvalidArgumentError(f"logits row {row} holds NaN or +inf (not finite)")
+        elif params[j].is_greedy:
+            tokens[j] = best[row]
+    sampled = [j for j, p in enumerate(params) if not p.is_greedy and not bad[rows[j]]]
     if not sampled:
         return tokens
     x = logits[[rows[j] for j in sampled]].float()  # (R, V)
