@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 
 from vllmini.allocator import BlockAllocator
 from vllmini.block_table import BlockTable, pool_utilization
-from vllmini.checks import as_block_size, as_bool, as_int, cdiv
-from vllmini.errors import InvalidArgumentError, OutOfBlocksError, VllminiError
+from vllmini.checks import as_block_size, as_bool, as_hashable, as_int, as_token_ids, cdiv
+from vllmini.errors import InvalidArgumentError, InvalidTypeError, OutOfBlocksError, VllminiError
 from vllmini.prefix_cache import PrefixCache, extend_hashes
 
 if TYPE_CHECKING:
@@ -86,7 +86,7 @@ class BlockManager:
     # admission and growth
 
     def _check_shared(self, num_tokens: int, shared) -> list[int]:
-        shared = [self.allocator.check_allocated(b, "share") for b in shared]
+        shared = self.allocator.check_all_allocated(shared, "share")
         if len(set(shared)) != len(shared):
             raise InvalidArgumentError(f"shared blocks must be distinct, got {shared}")
         if len(shared) * self.block_size > num_tokens:
@@ -117,7 +117,7 @@ class BlockManager:
         """Start a sequence holding `num_tokens` tokens; returns their slots. `shared`: physical blocks
         that already hold its first len(shared) * block_size tokens (a cached prefix, or a sibling's
         blocks); it shares them (reference counts) and gets its own blocks for the rest."""
-        if seq_id in self._tables:
+        if as_hashable(seq_id, "seq_id") in self._tables:
             raise VllminiError(f"seq_id {seq_id!r} already exists")
         if not self.can_allocate(num_tokens, shared):  # the watermark rule has one home
             needed = self.blocks_needed(num_tokens, shared)
@@ -161,6 +161,9 @@ class BlockManager:
         """The cached blocks a new sequence of `token_ids` can start on (none without prefix caching).
         At most (len - 1) // block_size blocks: its last token is always computed, for its logits.
         `hashes` is the sequence's hash chain, extended in place."""
+        token_ids = as_token_ids(token_ids, "token_ids")
+        if not isinstance(hashes, list):
+            raise InvalidTypeError(f"hashes must be the sequence's hash chain (a list), got {hashes!r}")
         if self.prefix_cache is None:
             return []
         num_blocks = (len(token_ids) - 1) // self.block_size
@@ -198,7 +201,7 @@ class BlockManager:
     def fork(self, parent_id, child_id: Hashable) -> None:
         """Start `child_id` as a copy of `parent_id` that shares all its blocks (e.g. parallel sampling)."""
         parent = self.block_table(parent_id)
-        if child_id in self._tables:
+        if as_hashable(child_id, "seq_id") in self._tables:
             raise VllminiError(f"seq_id {child_id!r} already exists")
         self._tables[child_id] = parent.fork()
 

@@ -6,7 +6,7 @@
 Each `step()` asks the scheduler for a batch (vllmini.scheduler: running sequences decode, waiting
 prompts are admitted while blocks allow), runs ONE forward over all of it (vllmini.model_runner), samples
 one token per sequence from that sequence's own seeded generator (vllmini.sampling), and retires the
-finished ones. `stats` keeps one `StepStats` per step (vllmini.outputs).
+finished ones. `stats` keeps one `StepStats` per step (vllmini.outputs), of the last STATS_WINDOW or more.
 
 A step is all-or-nothing. An exception or Ctrl-C before the step commits (in scheduling, the forward or
 sampling) rolls it back: allocations, appends and preemptions undone, random generators restored, so the
@@ -44,6 +44,8 @@ from vllmini.outputs import InputProcessor, OutputProcessor, RequestOutput, Step
 from vllmini.sampling import SamplingParams, sample_batch, sample_seed, token_logprobs
 from vllmini.scheduler import Scheduler, check_policy
 from vllmini.sequence import SchedulerOutput, Sequence, SequenceStatus
+
+STATS_WINDOW = 1024  # engine.stats holds the last 1,024 to 2,047 steps: memory stays bounded
 
 # -----------------------------------------------------------------------------
 # the options
@@ -192,6 +194,10 @@ class LLMEngine:
             raise InvalidArgumentError(
                 f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={max_pos}"
             )
+        if config.block_size > max_model_len:  # before the KV cache: such blocks are never filled
+            raise InvalidArgumentError(
+                f"block_size={config.block_size} exceeds max_model_len={max_model_len}: no sequence fills one"
+            )
         config.check_batched_tokens(max_model_len)
         config = replace(config, max_model_len=max_model_len)
         self.model, self.policy, self.max_model_len = model, config.policy, max_model_len
@@ -224,7 +230,8 @@ class LLMEngine:
 
     @eos_token_ids.setter
     def eos_token_ids(self, ids) -> None:
-        self.outputs.eos_token_ids = set(ids)
+        ids = list(ids) if isinstance(ids, (set, frozenset)) else ids  # (the getter gives a set)
+        self.outputs.eos_token_ids = set(self.inputs.token_ids(ids, "eos_token_ids"))
 
     @classmethod
     def from_pretrained(
@@ -390,10 +397,12 @@ class LLMEngine:
         for seq in streamed.values():  # streaming requests still running: what they have so far
             if any(s.status is not SequenceStatus.FINISHED for s in seq.group):
                 self._ready.append(self.outputs.output(seq))
+        if len(self.stats) >= 2 * STATS_WINDOW:  # bounded: the last STATS_WINDOW steps or more
+            del self.stats[:-STATS_WINDOW]
         self.num_forwards += 1
         self.stats.append(
             StepStats(
-                step=len(self.stats),
+                step=self.num_forwards - 1,
                 num_prefills=len(out.prefills),
                 num_decodes=len(out.decodes),
                 num_waiting=len(sched.waiting),
@@ -474,19 +483,22 @@ class LLMEngine:
     def _run_until_done(self, wanted: set, use_tqdm: bool) -> dict[int, RequestOutput]:
         """Step until every request in `wanted` finished; the bar shows requests done and tokens/s."""
         results: dict[int, RequestOutput] = {}
-        bar, first, t0 = None, len(self.stats), time.perf_counter()
+        bar, tokens, t0 = None, [0, 0], time.perf_counter()  # prompt and output tokens of its steps
         if use_tqdm:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(wanted), desc="requests", unit="req")
         try:
             while wanted - results.keys():
+                num_forwards = self.num_forwards
                 done = [o for o in self.step() if o.finished]
                 results.update((o.request_id, o) for o in done)
                 if bar is not None:
-                    seconds, steps = time.perf_counter() - t0, self.stats[first:]
-                    prompt = sum(s.num_prefill_tokens for s in steps) / seconds
-                    output = sum(s.num_generated for s in steps) / seconds
+                    if self.num_forwards > num_forwards:  # the step ran: its stats are the last ones
+                        tokens[0] += self.stats[-1].num_prefill_tokens
+                        tokens[1] += self.stats[-1].num_generated
+                    seconds = time.perf_counter() - t0
+                    prompt, output = tokens[0] / seconds, tokens[1] / seconds
                     bar.set_postfix_str(f"input {prompt:.0f} tok/s, output {output:.0f} tok/s", refresh=False)
                     bar.update(sum(o.request_id in wanted for o in done))
         finally:

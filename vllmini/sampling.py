@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllmini.checks import as_bool, as_float, as_fraction, as_int, as_token_ids, one_of
+from vllmini.checks import as_bool, as_float, as_fraction, as_int, as_seed, as_token_ids, one_of
 from vllmini.errors import InvalidArgumentError, InvalidTypeError
 
 GREEDY_BELOW = 1e-5  # temperatures below this count as 0 (greedy): dividing by them overflows (as vLLM)
@@ -51,8 +51,8 @@ class SamplingParams:
         if self.top_k is not None:
             self.top_k = as_int(self.top_k, "top_k (None = off)", min=1)
         self.top_p = as_fraction(self.top_p, "top_p", "(0, 1]")
-        if self.seed is not None:  # the range torch.Generator.manual_seed takes
-            self.seed = as_int(self.seed, "seed", min=-(2**63), max=2**64 - 1)
+        if self.seed is not None:
+            self.seed = as_seed(self.seed)
         self.stop_token_ids = as_token_ids(self.stop_token_ids, "stop_token_ids")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidArgumentError(f"stop_token_ids must be >= 0, got {self.stop_token_ids}")

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllmini.checks import as_int
+from vllmini.checks import as_int, as_seed
 from vllmini.errors import InvalidArgumentError
 
 
@@ -60,7 +60,7 @@ class Sequence:
         self.text_end: int | None = None  # its text is cut here (before the stop string it produced)
         self.num_streamed: tuple[int, int] = (0, 0)  # (tokens, characters) already streamed
         # its own generator: its samples do not depend on what else is in the batch, or on preemption
-        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.generator = torch.Generator(device=device).manual_seed(as_seed(seed))
 
     @property
     def token_ids(self) -> list[int]:
