@@ -45,7 +45,7 @@ from vllmini.sampling import SamplingParams, sample_batch, sample_seed, token_lo
 from vllmini.scheduler import Scheduler, check_policy
 from vllmini.sequence import SchedulerOutput, Sequence, SequenceStatus
 
-STATS_WINDOW = 1024  # engine.stats holds the last 1,024 to 2,047 steps: memory stays bounded
+STATS_WINDOW = 1024  # engine.stats holds the last 1,024 steps or more (at most 2,048): memory stays bounded
 
 # -----------------------------------------------------------------------------
 # the options

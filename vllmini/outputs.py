@@ -192,14 +192,12 @@ class InputProcessor:
                 prompt.encode("utf-8")
             except UnicodeEncodeError as e:  # (the tokenizer raises a bare TypeError)
                 raise InvalidArgumentError(f"the prompt is not UTF-8 text: {e.reason} at {e.start}") from None
-            ids = self.tokenizer.encode(prompt).ids
+            prompt = self.tokenizer.encode(prompt).ids
         elif isinstance(prompt, (bytes, bytearray)):
             raise InvalidTypeError(
                 f"a prompt must be a str or token ids, got bytes {prompt[:20]!r}: decode it first"
             )
-        else:
-            ids = prompt
-        ids = self.token_ids(ids, "prompt")
+        ids = self.token_ids(prompt, "prompt")
         if not ids:
             raise InvalidArgumentError("the prompt is empty: it needs at least one token")
         return ids
