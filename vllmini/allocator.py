@@ -7,7 +7,7 @@ stack used first. A failed call leaves the allocator exactly as it was.
 from collections.abc import Sequence
 
 from vllmini.checks import as_int
-from vllmini.errors import BlockIdError, OutOfBlocksError
+from vllmini.errors import BlockIdError, InvalidTypeError, OutOfBlocksError
 
 
 class BlockAllocator:
@@ -61,7 +61,7 @@ class BlockAllocator:
 
     def fork(self, block_ids: Sequence[int]) -> list[int]:
         """Share every block in `block_ids` with one more owner; all-or-nothing. Returns the ids."""
-        ids = [self.check_allocated(b, "fork") for b in block_ids]  # check them all before changing any
+        ids = self.check_all_allocated(block_ids, "fork")  # check them all before changing any
         for block_id in ids:
             self._ref_counts[block_id] += 1
         return ids
@@ -87,6 +87,12 @@ class BlockAllocator:
         if block_id not in self._ref_counts:
             raise BlockIdError(f"cannot {action} block {block_id}: it is free (not allocated)")
         return block_id
+
+    def check_all_allocated(self, block_ids, action: str) -> list[int]:
+        """`block_ids` (a list, tuple or range) as ints if every one is allocated."""
+        if not isinstance(block_ids, (list, tuple, range)):
+            raise InvalidTypeError(f"cannot {action} block_ids {block_ids!r}: expected a list of block ids")
+        return [self.check_allocated(b, action) for b in block_ids]
 
     def __repr__(self) -> str:
         return f"BlockAllocator(num_blocks={self.num_blocks}, num_free_blocks={self.num_free_blocks})"

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 from vllmini.allocator import BlockAllocator
 from vllmini.block_table import BlockTable, pool_utilization
-from vllmini.checks import as_block_size, as_bool, as_int, cdiv
-from vllmini.errors import InvalidArgumentError, OutOfBlocksError, VllminiError
+from vllmini.checks import as_block_size, as_bool, as_hashable, as_int, as_token_ids, cdiv
+from vllmini.errors import InvalidArgumentError, InvalidTypeError, OutOfBlocksError, VllminiError
 from vllmini.prefix_cache import PrefixCache, extend_hashes
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ class BlockManager:
         return self.block_table(seq_id).slot_mapping(start, end)
 
     def _check_shared(self, num_tokens: int, shared) -> list[int]:
-        shared = [self.allocator.check_allocated(b, "share") for b in shared]
+        shared = self.allocator.check_all_allocated(shared, "share")
         if len(set(shared)) != len(shared):
             raise InvalidArgumentError(f"shared blocks must be distinct, got {shared}")
         if len(shared) * self.block_size > num_tokens:
@@ -103,7 +103,7 @@ class BlockManager:
     def allocate(self, seq_id: Hashable, num_tokens: int, shared=()) -> list[int]:
         """Start a sequence of `num_tokens` tokens on the full blocks `shared` (a cached prefix, a
         sibling's) and its own for the rest; returns their slots."""
-        if seq_id in self._tables:
+        if as_hashable(seq_id, "seq_id") in self._tables:
             raise VllminiError(f"seq_id {seq_id!r} already exists")
         if not self.can_allocate(num_tokens, shared):  # the watermark rule has one home
             needed = self.blocks_needed(num_tokens, shared)
@@ -143,6 +143,9 @@ class BlockManager:
     def cached_prefix(self, token_ids: list[int], hashes: list[bytes]) -> list[int]:
         """The cached blocks a new sequence can start on (its last token is always computed); `hashes`,
         its hash chain, is extended in place."""
+        token_ids = as_token_ids(token_ids, "token_ids")
+        if not isinstance(hashes, list):
+            raise InvalidTypeError(f"hashes must be the sequence's hash chain (a list), got {hashes!r}")
         if self.prefix_cache is None:
             return []
         num_blocks = (len(token_ids) - 1) // self.block_size
@@ -180,7 +183,7 @@ class BlockManager:
     def fork(self, parent_id, child_id: Hashable) -> None:
         """Start `child_id` as a copy of `parent_id` that shares all its blocks (e.g. parallel sampling)."""
         parent = self.block_table(parent_id)
-        if child_id in self._tables:
+        if as_hashable(child_id, "seq_id") in self._tables:
             raise VllminiError(f"seq_id {child_id!r} already exists")
         self._tables[child_id] = parent.fork()
 

@@ -60,7 +60,7 @@ class BlockTable:
 
     def adopt(self, block_ids: Sequence[int], num_tokens: int) -> None:
         """Hold `block_ids` (references the caller took) with `num_tokens` tokens (a cache hit, an undo)."""
-        block_ids = [int(b) for b in block_ids]
+        block_ids = self.allocator.check_all_allocated(block_ids, "adopt")
         num_tokens = as_int(num_tokens, "num_tokens", min=0)
         needed = cdiv(num_tokens, self.block_size)
         if needed != len(block_ids):

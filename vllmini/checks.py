@@ -37,6 +37,20 @@ def as_int(value, name: str, *, min: int | None = None, max: int | None = None) 
     return value
 
 
+def as_seed(value, name: str = "seed") -> int:
+    """`value` as a seed `torch.Generator.manual_seed` takes: an int in [-2**63, 2**64)."""
+    return as_int(value, name, min=-(2**63), max=2**64 - 1)
+
+
+def as_hashable(value, name: str):
+    """`value` if it can be a dict key (e.g. a sequence id: an int, a str, a tuple of them)."""
+    try:
+        hash(value)
+    except TypeError:
+        raise InvalidTypeError(f"{name} must be hashable (an int, str or tuple), got {value!r}") from None
+    return value
+
+
 def as_block_size(value) -> int:
     """`value` as a block size: tokens per KV block, an int >= 1 (the one check every constructor uses)."""
     return as_int(value, "block_size", min=1)

@@ -4,8 +4,10 @@
     outputs = engine.generate(["Hello", "The capital of France is"], SamplingParams(max_tokens=32))
 
 Each `step()` schedules a batch, runs ONE forward over it, samples one token per sequence from its own
-seeded generator, and retires the finished. A step is all-or-nothing: an exception or Ctrl-C before it
-commits rolls it back (allocations, preemptions, generators), so the outputs equal an uninterrupted run.
+seeded generator, and retires the finished. A step is all-or-nothing, its commit included: an exception
+anywhere in it (or Ctrl-C before the commit; during the commit Ctrl-C waits) rolls it back (allocations,
+preemptions, generators, tokens), so the outputs equal an uninterrupted run. `stats` keeps the last
+STATS_WINDOW steps or more.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from vllmini.outputs import InputProcessor, OutputProcessor, RequestOutput, Step
 from vllmini.sampling import SamplingParams, sample_batch, sample_seed, token_logprobs
 from vllmini.scheduler import Scheduler, check_policy
 from vllmini.sequence import SchedulerOutput, Sequence, SequenceStatus
+
+STATS_WINDOW = 1024  # engine.stats holds the last 1,024 steps or more (at most 2,048): memory stays bounded
 
 
 @dataclass
@@ -159,6 +163,10 @@ class LLMEngine:
             raise InvalidArgumentError(
                 f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={max_pos}"
             )
+        if config.block_size > max_model_len:  # before the KV cache: such blocks are never filled
+            raise InvalidArgumentError(
+                f"block_size={config.block_size} exceeds max_model_len={max_model_len}: no sequence fills one"
+            )
         config.check_batched_tokens(max_model_len)
         config = replace(config, max_model_len=max_model_len)
         self.model, self.policy, self.max_model_len = model, config.policy, max_model_len
@@ -184,7 +192,8 @@ class LLMEngine:
 
     @eos_token_ids.setter
     def eos_token_ids(self, ids) -> None:
-        self.outputs.eos_token_ids = set(ids)
+        ids = list(ids) if isinstance(ids, (set, frozenset)) else ids  # (the getter gives a set)
+        self.outputs.eos_token_ids = set(self.inputs.token_ids(ids, "eos_token_ids"))
 
     @classmethod
     def from_pretrained(
@@ -258,6 +267,7 @@ class LLMEngine:
         sched = self.scheduler
         with DeferSigint() as sigint:
             snapshot, before, out, saved = sched.snapshot(), sched.num_preemptions, None, []
+            num_ready = len(self._ready)
             try:
                 out = sched.schedule()
                 usage = sched.usage(out)  # the KV memory during this step's forward
@@ -267,14 +277,15 @@ class LLMEngine:
                 self.runner.copy_blocks(copies)
                 sampled = self._forward_and_sample(out, saved) if not out.is_empty else ([], [])
                 sigint.hold()
+                if not out.is_empty:  # a failure in the commit is undone too
+                    self._commit(out, sampled, usage, sched.num_preemptions - before, len(copies), t0)
             except BaseException:
                 sigint.hold()
                 sched.restore(snapshot, stale=out.preempted if out is not None else ())
                 for seq, state in saved:
                     seq.generator.set_state(state)
+                del self._ready[num_ready:]
                 raise
-            if not out.is_empty:
-                self._commit(out, sampled, usage, sched.num_preemptions - before, len(copies), t0)
         if sigint.interrupted:  # Ctrl-C during the commit: the results wait for the next step()
             raise KeyboardInterrupt
         ready, self._ready = self._ready, []
@@ -336,10 +347,12 @@ class LLMEngine:
         for seq in streamed.values():  # streaming requests still running: what they have so far
             if any(s.status is not SequenceStatus.FINISHED for s in seq.group):
                 self._ready.append(self.outputs.output(seq))
+        if len(self.stats) >= 2 * STATS_WINDOW:  # bounded: the last STATS_WINDOW steps or more
+            del self.stats[:-STATS_WINDOW]
         self.num_forwards += 1
         self.stats.append(
             StepStats(
-                step=len(self.stats),
+                step=self.num_forwards - 1,
                 num_prefills=len(out.prefills),
                 num_decodes=len(out.decodes),
                 num_waiting=len(sched.waiting),
@@ -413,19 +426,22 @@ class LLMEngine:
     def _run_until_done(self, wanted: set, use_tqdm: bool) -> dict[int, RequestOutput]:
         """Step until every request in `wanted` finished."""
         results: dict[int, RequestOutput] = {}
-        bar, first, t0 = None, len(self.stats), time.perf_counter()
+        bar, tokens, t0 = None, [0, 0], time.perf_counter()  # prompt and output tokens of its steps
         if use_tqdm:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(wanted), desc="requests", unit="req")
         try:
             while wanted - results.keys():
+                num_forwards = self.num_forwards
                 done = [o for o in self.step() if o.finished]
                 results.update((o.request_id, o) for o in done)
                 if bar is not None:
-                    seconds, steps = time.perf_counter() - t0, self.stats[first:]
-                    prompt = sum(s.num_prefill_tokens for s in steps) / seconds
-                    output = sum(s.num_generated for s in steps) / seconds
+                    if self.num_forwards > num_forwards:  # the step ran: its stats are the last ones
+                        tokens[0] += self.stats[-1].num_prefill_tokens
+                        tokens[1] += self.stats[-1].num_generated
+                    seconds = time.perf_counter() - t0
+                    prompt, output = tokens[0] / seconds, tokens[1] / seconds
                     bar.set_postfix_str(f"input {prompt:.0f} tok/s, output {output:.0f} tok/s", refresh=False)
                     bar.update(sum(o.request_id in wanted for o in done))
         finally:

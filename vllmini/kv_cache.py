@@ -6,6 +6,8 @@ K/V to their slots (vLLM's name). Pools are [num_blocks, block_size, num_kv_head
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
@@ -108,6 +110,22 @@ def check_slot_mapping(slot_mapping: torch.Tensor, num_slots: int, *, allow_padd
     return len(kept) != len(slots)
 
 
+def check_memory(nbytes: int, num_blocks: int, device: torch.device) -> None:
+    """Refuse, before allocating, a pool larger than the device can hold: free GPU memory, or the host's
+    physical memory (unknown on hosts without os.sysconf: not checked)."""
+    if device.type == "cuda":
+        room = torch.cuda.mem_get_info(device)[0]
+    elif hasattr(os, "sysconf"):
+        room = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    else:
+        return
+    if nbytes > room:
+        raise InvalidArgumentError(
+            f"a KV cache of {num_blocks} blocks needs {nbytes / 2**30:,.1f} GiB, more than the "
+            f"{room / 2**30:,.1f} GiB the {device.type} has{' free' if device.type == 'cuda' else ''}"
+        )
+
+
 class PagedKVCache:
     """K and V pools for every layer, sized by block count, by a byte budget, or by free GPU memory."""
 
@@ -161,7 +179,7 @@ class PagedKVCache:
                 )
         else:
             num_blocks = as_int(num_blocks, "num_blocks", min=1)
-
+        check_memory(num_blocks * per_block, num_blocks, device)
         self.num_layers, self.num_kv_heads, self.head_size = num_layers, num_kv_heads, head_size
         self.block_size, self.num_blocks, self.dtype, self.device = block_size, num_blocks, dtype, device
         shape = (num_blocks, block_size, num_kv_heads, head_size)

@@ -348,7 +348,13 @@ class LlamaModel(nn.Module):
         model.chat_template = read_chat_template(path_or_hf_model)
         eos = ckpt.generation.get("eos_token_id")
         if eos is not None:
-            model.eos_token_ids = tuple(eos if isinstance(eos, list) else [eos])
+            eos = eos if isinstance(eos, list) else [eos]
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in eos):
+                raise CheckpointError(
+                    f"{ckpt.where}: generation_config.json's eos_token_id must be an int or a list of ints, "
+                    f"got {ckpt.generation['eos_token_id']!r}"
+                )
+            model.eos_token_ids = tuple(eos)
         return model.eval()
 
 
@@ -444,8 +450,12 @@ def load_safetensors(root: Path) -> dict[str, torch.Tensor]:
     weight_map = read_checkpoint_file(index, read_json).get("weight_map")
     if not isinstance(weight_map, dict):
         raise CheckpointError(f"{str(index)!r} has no weight_map object (tensor name -> shard file)")
+    shards = list(weight_map.values())
+    bad = [s for s in shards if not isinstance(s, str) or Path(s).is_absolute() or ".." in Path(s).parts]
+    if bad:  # only files inside the checkpoint folder are read
+        raise CheckpointError(f"{str(index)!r}: shard names must be files inside its folder, got {bad[0]!r}")
     state = {}
-    for shard in sorted(set(weight_map.values())):
+    for shard in sorted(set(shards)):
         state.update(read_checkpoint_file(root / shard, load_file))
     return state
 

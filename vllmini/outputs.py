@@ -160,6 +160,7 @@ class InputProcessor:
                 f"SamplingParams(stop={params.stop!r}) needs a tokenizer to see the text (tokenizer.json "
                 f"in the checkpoint); without one, stop on token ids: stop_token_ids=[...]"
             )
+        self.token_ids(params.stop_token_ids, "stop_token_ids")
         if params.logprobs is not None and params.logprobs > self.vocab_size:
             raise InvalidArgumentError(
                 f"logprobs must be <= the vocabulary size {self.vocab_size}, got {params.logprobs}"
@@ -173,18 +174,26 @@ class InputProcessor:
                 raise InvalidTypeError(
                     "string prompts need a tokenizer (tokenizer.json in the checkpoint); pass token ids"
                 )
-            ids = self.tokenizer.encode(prompt).ids
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:  # (the tokenizer raises a bare TypeError)
+                raise InvalidArgumentError(f"the prompt is not UTF-8 text: {e.reason} at {e.start}") from None
+            prompt = self.tokenizer.encode(prompt).ids
         elif isinstance(prompt, (bytes, bytearray)):
             raise InvalidTypeError(
                 f"a prompt must be a str or token ids, got bytes {prompt[:20]!r}: decode it first"
             )
-        else:
-            ids = as_token_ids(prompt, "prompt")
+        ids = self.token_ids(prompt, "prompt")
         if not ids:
             raise InvalidArgumentError("the prompt is empty: it needs at least one token")
+        return ids
+
+    def token_ids(self, ids, name: str) -> list[int]:
+        """`ids` as a list of token ids of this model's vocabulary; `name` says whose they are."""
+        ids = as_token_ids(ids, name)
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise InvalidArgumentError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+            raise InvalidArgumentError(f"{name} must be token ids in [0, {self.vocab_size}), got {bad[:5]}")
         return ids
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllmini.checks import as_bool, as_float, as_fraction, as_int, as_token_ids, one_of
+from vllmini.checks import as_bool, as_float, as_fraction, as_int, as_seed, as_token_ids, one_of
 from vllmini.errors import InvalidArgumentError, InvalidTypeError
 
 GREEDY_BELOW = 1e-5  # temperatures below this count as 0 (greedy): dividing by them overflows (as vLLM)
@@ -39,8 +39,8 @@ class SamplingParams:
         if self.top_k is not None:
             self.top_k = as_int(self.top_k, "top_k (None = off)", min=1)
         self.top_p = as_fraction(self.top_p, "top_p", "(0, 1]")
-        if self.seed is not None:  # the range torch.Generator.manual_seed takes
-            self.seed = as_int(self.seed, "seed", min=-(2**63), max=2**64 - 1)
+        if self.seed is not None:
+            self.seed = as_seed(self.seed)
         self.stop_token_ids = as_token_ids(self.stop_token_ids, "stop_token_ids")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidArgumentError(f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
@@ -78,12 +78,15 @@ def sample_batch(
     generators[j] (one draw per entry: a batched draw would mix their streams); a failed draw gets its
     exception instead. Temperature, top-k and top-p are batched tensor ops, row by row."""
     tokens: list[int | Exception] = [0] * len(rows)
-    greedy = [j for j, p in enumerate(params) if p.is_greedy]
-    if greedy:
-        best = logits.argmax(-1).tolist()  # (S,): one host sync for all greedy rows
-        for j in greedy:
-            tokens[j] = best[rows[j]]
-    sampled = [j for j, p in enumerate(params) if not p.is_greedy]
+    # a row holding NaN or +inf has no distribution: its entries fail (-inf only masks a token)
+    bad = (logits.isnan() | logits.isposinf()).any(-1)  # (S,)
+    best, bad = torch.stack([logits.argmax(-1), bad.long()]).tolist()  # (2, S): one host sync
+    for j, row in enumerate(rows):
+        if bad[row]:
+            tokens[j] = InvalidArgumentError(f"logits row {row} holds NaN or +inf (not finite)")
+        elif params[j].is_greedy:
+            tokens[j] = best[row]
+    sampled = [j for j, p in enumerate(params) if not p.is_greedy and not bad[rows[j]]]
     if not sampled:
         return tokens
     x = logits[[rows[j] for j in sampled]].float()  # (R, V)

@@ -122,8 +122,8 @@ class Scheduler:
     def _retire(self, seq: Sequence, reason: str) -> None:
         """Take `seq` out of the queues for good (freeing its blocks)."""
         if seq.status is SequenceStatus.RUNNING:
+            self.block_manager.free(seq.seq_id)  # first: if it fails, the sequence is still running
             self.running.remove(seq)
-            self.block_manager.free(seq.seq_id)
         else:
             self.waiting.remove(seq)
         del self._live[seq.seq_id]
@@ -136,24 +136,26 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def snapshot(self) -> tuple:
-        """Everything `schedule()` changes, for `restore`."""
-        seqs = [*self.waiting, *self.running]
+        """Everything a step changes: queues, sequences (their samples too), preemptions, blocks."""
+        seqs = dict.fromkeys(x for s in [*self.waiting, *self.running] for x in s.group)
         return (
             list(self.waiting),
             list(self.running),
-            [(s, s.status, s.num_preemptions, s.num_computed_tokens) for s in seqs],
+            [(s, s.snapshot()) for s in seqs],
             self.num_preemptions,
             self.block_manager.snapshot(),
+            (dict(self._live), dict(self._requests), set(self._stale)),
         )
 
     def restore(self, snapshot: tuple, stale=()) -> None:
         """Undo everything since `snapshot()`. `stale`: sequences preempted in the failed step (their
         blocks may hold its writes): recomputed unless preempted again."""
-        waiting, running, seqs, num_preemptions, blocks = snapshot
+        waiting, running, seqs, num_preemptions, blocks, (live, requests, stale_ids) = snapshot
         self.waiting, self.running = deque(waiting), list(running)
-        for seq, status, n, computed in seqs:
-            seq.status, seq.num_preemptions, seq.num_computed_tokens = status, n, computed
+        for seq, state in seqs:
+            seq.restore(state)
         self.num_preemptions = num_preemptions
+        self._live, self._requests, self._stale = dict(live), dict(requests), set(stale_ids)
         self.block_manager.restore(blocks)
         self._stale.update(s.seq_id for s in stale if s.status is SequenceStatus.RUNNING)
 

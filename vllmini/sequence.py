@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllmini.checks import as_int
+from vllmini.checks import as_int, as_seed
 from vllmini.errors import InvalidArgumentError
 
 
@@ -55,7 +55,7 @@ class Sequence:
         self.text_end: int | None = None  # its text is cut here (before the stop string it produced)
         self.num_streamed: tuple[int, int] = (0, 0)  # (tokens, characters) already streamed
         # its own generator: its tokens do not depend on the batch, or on preemption
-        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.generator = torch.Generator(device=device).manual_seed(as_seed(seed))
 
     @property
     def token_ids(self) -> list[int]:
@@ -74,6 +74,22 @@ class Sequence:
     def max_len(self) -> int:
         """The most tokens it can ever hold: prompt + max_tokens."""
         return len(self.prompt_token_ids) + self.max_tokens
+
+    # what a step may change of a sequence besides its lists, for `snapshot` and `restore`
+    STEP_FIELDS = (
+        "status num_preemptions num_computed_tokens finish_reason error stop_reason text_end num_streamed"
+    ).split()
+
+    def snapshot(self) -> tuple:
+        """What a step may change of this sequence, for `restore` (a failed step is undone)."""
+        lengths = len(self.output_token_ids), len(self.output_logprobs), len(self.block_hashes)
+        return lengths, [getattr(self, name) for name in self.STEP_FIELDS]
+
+    def restore(self, state: tuple) -> None:
+        (num_out, num_lp, num_hashes), values = state
+        for name, value in zip(self.STEP_FIELDS, values, strict=True):
+            setattr(self, name, value)
+        del self.output_token_ids[num_out:], self.output_logprobs[num_lp:], self.block_hashes[num_hashes:]
 
     def __repr__(self) -> str:
         return (

@@ -137,7 +137,7 @@ class StepMeter:
     def step(self) -> tuple[list[RequestOutput], StepRecord, list[int]]:
         """One engine step: (finished outputs, its StepRecord with start=seconds=0, ids that got their
         first token in it)."""
-        num_stats = len(self.engine.stats)
+        num_forwards = self.engine.num_forwards
         finished = self.engine.step()
         now = {s.request_id: len(s.output_token_ids) for s in self.engine.scheduler.running}
         now |= {o.request_id: len(o.output_token_ids) for o in finished}
@@ -145,7 +145,7 @@ class StepMeter:
         self.seen_len |= now
         for o in finished:
             self.seen_len.pop(o.request_id, None)
-        if len(self.engine.stats) == num_stats:  # nothing ran (only aborted requests came back)
+        if self.engine.num_forwards == num_forwards:  # nothing ran (only aborted requests came back)
             return finished, StepRecord(0.0, 0.0, 0, 0, 0, 0, 0), first
         st = self.engine.stats[-1]
         batched = st.num_prefill_tokens + st.num_decodes  # a decode computes its one new token
