@@ -451,6 +451,58 @@ def profile_decode(model, batch: int, context: int = 255) -> None:
         print(f"  {t:6.3f} ms  {n:4d} x  {name[:90]}")
 
 
+def launch_count(model, batch: int = 1, context: int = 255) -> tuple[int, str]:
+    """(count, what it counts) of one eager decode forward of `batch` sequences of `context` tokens: CUDA
+    kernels (torch.profiler) on a GPU; on a CPU, as a proxy, the aten ops that are not views (the ops a
+    GPU would launch a kernel for, roughly: a view launches nothing)."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountOps(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += not func.is_view
+            return func(*args, **(kwargs or {}))
+
+    engine = LLMEngine(model, block_size=16, num_blocks=batch * 16 + 64, max_model_len=2048,
+                       max_num_seqs=max(batch, 8), use_cuda_graphs=False)  # fmt: skip
+    ids, pos, meta = full_decode_batch(engine, batch, context)
+    args = (ids.to(model.device), pos.to(model.device), engine.kv_cache, meta.to(model.device))
+    with torch.inference_mode():
+        model(*args, backend=engine.backend)  # warm
+        if model.device.type != "cuda":
+            with CountOps() as ops:
+                model(*args, backend=engine.backend)
+            return ops.count, "aten ops that are not views (CPU proxy for kernel launches)"
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            model(*args, backend=engine.backend)
+            torch.cuda.synchronize()
+    return sum(e.device_type.name == "CUDA" for e in prof.events()), "CUDA kernels (torch.profiler)"
+
+
+def host_step_ms(batch: int = 256, steps: int = 30, sampled: bool = False) -> float:
+    """Median wall time (ms) of an engine decode step of `batch` sequences with the forward stubbed out
+    (fixed random logits over the tiny model's vocabulary): the host part of a step, scheduling, inputs,
+    sampling and commit."""
+    model = random_model(TINY, 4096, torch.float32, "cpu")
+    logits = torch.randn(batch, TINY["vocab_size"], generator=torch.Generator().manual_seed(0))
+    model.forward = lambda input_ids, positions, kv, meta, **kw: logits[: meta.num_seqs]
+    engine = LLMEngine(model, block_size=16, num_blocks=batch * 8 + 8, max_model_len=512, max_num_seqs=batch)
+    params = SamplingParams(max_tokens=steps + 2, ignore_eos=True, temperature=0.8 if sampled else 0.0,
+                            top_p=0.9 if sampled else 1.0, seed=0 if sampled else None)  # fmt: skip
+    for i in range(batch):
+        engine.add_request([3 + i % 200] * 16, params)
+    engine.step()  # the prefills
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[steps // 2] * 1e3
+
+
 def plot(main: list[Result], by_len: list[Result], by_block: list[Result], path: str) -> None:
     import matplotlib
 
@@ -574,6 +626,11 @@ def main() -> None:
         action="store_true",
         help="only the decode table: tokens/s with and without CUDA graphs vs generate, step times",
     )
+    ap.add_argument("--host-only", action="store_true", help="host ms per decode step (last batch size)")
+    ap.add_argument("--launch-count", action="store_true", help="kernels (CPU: aten ops) of a decode forward")
+    ap.add_argument(
+        "--shape", choices=["tiny", "0.85b"], help="model shape (default: tiny on CPU, else 0.85b)"
+    )
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64, 256], help="decode table")
     ap.add_argument("--profile-decode", type=int, nargs="*", metavar="B", help="kernels of a decode forward")
     ap.add_argument("--prompt-len", type=int, default=128, help="decode table: prompt tokens")
@@ -596,8 +653,8 @@ def main() -> None:
     on_gpu = args.device == "cuda"
     if not on_gpu:  # the tiny model's matrices are too small to share out: threads only add waiting
         torch.set_num_threads(1)
-    shape = ONE_B if on_gpu else TINY
-    dtype = torch.bfloat16 if on_gpu else torch.float32
+    shape = ONE_B if args.shape == "0.85b" or (on_gpu and args.shape is None) else TINY
+    dtype = torch.bfloat16 if shape is ONE_B else torch.float32
     model = random_model(shape, 4096, dtype, args.device)
     n_params = sum(p.numel() for p in model.parameters())
     print(
@@ -610,6 +667,19 @@ def main() -> None:
         + (f", shared system prompt of {args.system_prompt // scale} tokens" if args.system_prompt else "")
     )
 
+    if args.host_only:
+        for sampled in (False, True):
+            ms = host_step_ms(args.batch_sizes[-1], sampled=sampled)
+            kind = "T 0.8, top_p 0.9, seeded" if sampled else "greedy"
+            print(
+                f"host ms per decode step, batch {args.batch_sizes[-1]}, stubbed forward, {kind}: {ms:.2f} ms"
+            )
+        return
+    if args.decode_table or args.launch_count:
+        count, what = launch_count(model)
+        print(f"launches per decode forward (batch 1, context 255): {count} {what}")
+        if not on_gpu:  # the rest of the decode table times GPU work
+            return
     if args.profile_decode:
         for batch in args.profile_decode:
             profile_decode(model, batch)

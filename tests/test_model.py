@@ -14,7 +14,7 @@ import torch
 from vllmini.attention import AttentionMetadata
 from vllmini.errors import CheckpointError, CheckpointNotFoundError, InvalidArgumentError, InvalidTypeError
 from vllmini.kv_cache import PagedKVCache
-from vllmini.model import LlamaConfig, LlamaModel, rope_inv_freq
+from vllmini.model import LlamaConfig, LlamaModel, hf_parameter_shapes, rope_inv_freq
 
 transformers = pytest.importorskip("transformers")
 from llama_cases import LLAMA3_ROPE, hf_config, random_hf_model  # noqa: E402 (needs transformers)
@@ -179,8 +179,21 @@ def test_load_sharded_bf16_checkpoint(checkpoint, reference):
     assert model.eos_token_ids == (2, 7)  # a list in generation_config.json
     assert model.tokenizer.encode("w5 w17").ids == [5, 17]
     ref = reference.state_dict()
+    _, merged = hf_parameter_shapes(model)  # q/k/v and gate/up are stacked into one projection each
+    assert merged["layers.0.self_attn.qkv_proj.weight"] == [
+        f"layers.0.self_attn.{x}_proj.weight" for x in "qkv"
+    ]
+    assert merged["layers.0.mlp.gate_up_proj.weight"] == [
+        "layers.0.mlp.gate_proj.weight",
+        "layers.0.mlp.up_proj.weight",
+    ]
+
+    def hf(name):
+        return ref["model." + name if name != "lm_head.weight" else name]
+
     for name, p in model.state_dict().items():
-        torch.testing.assert_close(p.double(), ref["model." + name if name != "lm_head.weight" else name])
+        want = torch.cat([hf(n) for n in merged[name]]) if name in merged else hf(name)
+        torch.testing.assert_close(p.double(), want)
 
 
 def test_load_in_memory_model_matches_directory(checkpoint, reference):

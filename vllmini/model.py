@@ -123,9 +123,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with `residual`: (norm(x + residual), x + residual), vLLM's fused_add_rms_norm (in
+        eager PyTorch still two kernels, the add and the norm, plus the weight's multiply)."""
+        if residual is not None:
+            x = x + residual
         # upcasts to float32 inside and rounds once, as Llama does, in one kernel instead of seven
-        return self.weight * F.rms_norm(x, (x.shape[-1],), None, self.eps)
+        normed = self.weight * F.rms_norm(x, (x.shape[-1],), None, self.eps)
+        return normed if residual is None else (normed, x)
 
 
 def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
@@ -146,11 +151,29 @@ def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
     return inv_freq.float()
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each (x[i], x[i + d/2]) pair by the position's angle. x (T, nh, hd); cos/sin (T, hd)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)  # (T, nh, hd)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """cos and signed sin (T, 1, hd) of each position, once per forward for every layer: the sin's first
+    half is negated so that `apply_rotary` needs no negation."""
+    angles = positions.float()[:, None] * inv_freq[None, :]  # (T, hd/2), float32 as in Llama
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat((cos, cos), -1)[:, None].to(dtype), torch.cat((-sin, sin), -1)[:, None].to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each (x[i], x[i + d/2]) pair by the position's angle: x * cos + (-x2, x1) * sin, with the
+    halves swapped by one flip and the sign in `signed_sin`. x (T, nh, hd); cos/signed_sin (T, 1, hd)."""
+    T, nh, hd = x.shape
+    swapped = x.reshape(T, nh, 2, hd // 2).flip(2).view(T, nh, hd)  # (x2, x1)
+    return torch.addcmul(x * cos, swapped, signed_sin)  # (T, nh, hd)
+
+
+class MergedLinear(nn.Linear):
+    """Several projections of the same input as one GEMM (vLLM's MergedColumnParallelLinear): `parts`
+    maps each Hugging Face projection name to its output size, in the order their rows are stacked."""
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool):
+        super().__init__(in_features, sum(parts.values()), bias=bias)
+        self.parts = parts
 
 
 class Attention(nn.Module):
@@ -161,17 +184,17 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
         bias, h = config.attention_bias, config.hidden_size
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        parts = {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}
+        self.qkv_proj = MergedLinear(h, parts, bias)  # q, k and v in one GEMM
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
 
     def forward(self, x, cos, sin, key_cache, value_cache, meta: AttentionMetadata, backend: str, validate):
-        T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # (T, nh, hd)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # (T, nkv, hd)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)  # (T, nkv, hd)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        T, nh, hd = x.shape[0], self.num_heads, self.head_dim
+        qkv = self.qkv_proj(x)  # (T, (nh + 2 nkv) hd)
+        qk = apply_rotary(qkv[:, : -self.num_kv_heads * hd].view(T, -1, hd), cos, sin)  # q and k at once
+        q, k = qk[:, :nh], qk[:, nh:]  # (T, nh, hd), (T, nkv, hd): views
+        v = qkv[:, -self.num_kv_heads * hd :].view(T, self.num_kv_heads, hd)  # (T, nkv, hd)
         # the model checked slot_mapping and block_tables once for all layers
         reshape_and_cache(
             k, v, key_cache, value_cache, meta.slot_mapping, validate=False, padding=meta.has_padding
@@ -212,12 +235,12 @@ class MLP(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
-        self.up_proj = nn.Linear(hidden, inner, bias=bias)
+        self.gate_up_proj = MergedLinear(hidden, {"gate_proj": inner, "up_proj": inner}, bias)  # one GEMM
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (T, inner) views each
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -228,10 +251,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, key_cache, value_cache, meta, backend, validate):
-        h = self.input_layernorm(x)
-        x = x + self.self_attn(h, cos, sin, key_cache, value_cache, meta, backend, validate)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, key_cache, value_cache, meta, backend, validate):
+        """(this layer's output, the residual stream before it is added): the add is left to the next
+        norm (vLLM's layout). residual None: the first layer, x is the embedding."""
+        h, residual = (
+            self.input_layernorm(x, residual) if residual is not None else (self.input_layernorm(x), x)
+        )
+        h = self.self_attn(h, cos, sin, key_cache, value_cache, meta, backend, validate)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -288,14 +316,14 @@ class LlamaModel(nn.Module):
         meta, validate = self.check_metadata(meta, kv_cache, backend)
         x = self.embed_tokens(input_ids)  # (T, hidden)
         self.inv_freq = self.inv_freq.to(positions.device)  # the same tensor when already there
-        angles = positions.float()[:, None] * self.inv_freq[None, :]  # (T, hd/2), float32 as in Llama
-        angles = torch.cat((angles, angles), dim=-1)  # (T, hd)
-        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)  # (T, 1, hd) each, for every layer
+        residual = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache.key_caches[i], kv_cache.value_caches[i], meta, backend, validate)
+            kc, vc = kv_cache.key_caches[i], kv_cache.value_caches[i]
+            x, residual = layer(x, residual, cos, sin, kc, vc, meta, backend, validate)
         if not all_logits:
-            x = x[meta.last_token_indices]  # (num_seqs, hidden)
-        return self.lm_head(self.norm(x))
+            x, residual = x[meta.last_token_indices], residual[meta.last_token_indices]  # (num_seqs, hidden)
+        return self.lm_head(self.norm(x, residual)[0])
 
     def check_metadata(
         self, meta: AttentionMetadata, kv_cache, backend: str
@@ -460,11 +488,30 @@ def load_safetensors(root: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def hf_parameter_shapes(model: torch.nn.Module) -> tuple[dict, dict]:
+    """({Hugging Face parameter name: shape}, {merged parameter name: the HF names stacked in it}) of
+    `model`; a tied lm_head appears once."""
+    modules, expected, merged = dict(model.named_modules()), {}, {}
+    for name, p in model.named_parameters():
+        owner, _, leaf = name.rpartition(".")
+        parts = getattr(modules[owner], "parts", None)  # a MergedLinear's {HF name: rows}
+        if parts is None:
+            expected[name] = p.shape
+            continue
+        prefix = owner.rpartition(".")[0]
+        merged[name] = [f"{prefix}.{part}.{leaf}" for part in parts]
+        expected.update(
+            (n, (rows, *p.shape[1:])) for n, rows in zip(merged[name], parts.values(), strict=True)
+        )
+    return expected, merged
+
+
 def load_hf_state_dict(
     model: torch.nn.Module, state: dict, dtype: torch.dtype, device: torch.device, where: str
 ) -> None:
-    """Place Hugging Face-named tensors into `model`, cast to dtype on device; each must be there."""
-    expected = {n: p.shape for n, p in model.named_parameters()}  # a tied lm_head appears once
+    """Place Hugging Face-named tensors into `model`, cast to dtype on device; each must be there. The
+    separate projections (q_proj, k_proj, v_proj; gate_proj, up_proj) are stacked into the merged ones."""
+    expected, merged = hf_parameter_shapes(model)
     tensors = {}
     for key, t in state.items():
         name = key.removeprefix("model.")
@@ -480,6 +527,8 @@ def load_hf_state_dict(
     missing = sorted(set(expected) - set(tensors))
     if missing:
         raise CheckpointError(f"{where} lacks weights {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    for name, parts in merged.items():  # rows stacked in `parts` order: the merged GEMM's output columns
+        tensors[name] = torch.cat([tensors.pop(part) for part in parts])
     model.load_state_dict(tensors, strict=False, assign=True)
     if model.config.tie_word_embeddings:  # assign=True replaced the parameter: tie again
         model.lm_head.weight = model.embed_tokens.weight

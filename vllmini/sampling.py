@@ -75,8 +75,8 @@ def sample_batch(
     logits: torch.Tensor, rows: list[int], params: list[SamplingParams], generators: list[torch.Generator]
 ) -> list[int | Exception]:
     """One token per entry: from logits[rows[j]] (logits: (S, V)) under params[j], drawing only from
-    generators[j] (one draw per entry: a batched draw would mix their streams); a failed draw gets its
-    exception instead. Temperature, top-k and top-p are batched tensor ops, row by row."""
+    generators[j] (each entry's noise from its own generator: one batched draw would mix their streams); a
+    failed draw gets its exception instead. Temperature, top-k, top-p and the draw are batched tensor ops."""
     tokens: list[int | Exception] = [0] * len(rows)
     # a row holding NaN or +inf has no distribution: its entries fail (-inf only masks a token)
     bad = (logits.isnan() | logits.isposinf()).any(-1)  # (S,)
@@ -109,21 +109,30 @@ def sample_batch(
         kept = values.masked_fill(drop, float("-inf"))  # (R, K)
         x = torch.full_like(x, float("-inf")).scatter(1, order, kept)  # (R, V): the rest never drawn
     probs = x.softmax(-1)  # (R, V)
-    drawn = {}
+    noise = {}  # j -> its row's Exp(1) noise (V,), each from the entry's own generator
     for r, j in enumerate(sampled):
         try:
-            drawn[j] = _draw(probs[r], params[j], generators[j])  # (1,) on the device
+            noise[j] = _draw(probs[r], params[j], generators[j])
         except Exception as e:  # this entry fails alone; Ctrl-C rolls the whole step back
             tokens[j] = e
-    if drawn:  # one host sync for all draws
-        for j, t in zip(drawn, torch.cat(list(drawn.values())).tolist(), strict=True):
-            tokens[j] = t
+    if not noise:
+        return tokens
+    kept = [r for r, j in enumerate(sampled) if j in noise]
+    probs = probs if len(kept) == len(sampled) else probs[kept]  # (R', V)
+    drawn = (probs / torch.stack(list(noise.values()))).argmax(-1)  # (R',): all rows' draws at once
+    no_dist = probs.isnan().any(-1)  # (R',): every logit was -inf
+    for j, t, empty in zip(noise, *torch.stack([drawn, no_dist.long()]).tolist(), strict=True):  # one sync
+        tokens[j] = (
+            InvalidArgumentError(f"logits row {rows[j]} has no finite logit to sample") if empty else t
+        )
     return tokens
 
 
 def _draw(probs: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
-    """One token id, (1,), from the distribution probs (V,), drawn from `generator`."""
-    return torch.multinomial(probs, 1, generator=generator)
+    """Exp(1) noise (V,) for one row, drawn from `generator`: argmax(probs / noise) is the token
+    torch.multinomial(probs, 1, generator=generator) draws (the same stream: it divides and argmaxes so
+    too), so the rows' divisions and argmaxes run batched while each keeps its own generator's stream."""
+    return torch.empty_like(probs).exponential_(generator=generator)
 
 
 def token_logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int], ks: list[int]) -> list[dict]:
