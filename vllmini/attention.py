@@ -262,78 +262,68 @@ def validate_prefill_args(
     return PrefillArgs(*tensors, scale, longest, longest_query, lens, starts)
 
 
-def _decode_torch(args: DecodeArgs) -> torch.Tensor:
-    """Naive paged decode: gather every sequence's pages (padded to the longest), then SDPA. Positions
-    from args.min_seq_len (known on the host after its check, else 0) up need masking."""
-    q, kc, vc, min_seq_len = args.query, args.key_cache, args.value_cache, args.min_seq_len
-    (num_seqs, num_heads, head_size), (_, block_size, num_kv_heads, _) = q.shape, kc.shape
-    group, L = num_heads // num_kv_heads, args.max_seq_len  # query heads per kv head, longest sequence
-    nb, ragged = cdiv(L, block_size), min_seq_len < L  # blocks of the longest; shorter tails to mask
-    lens = args.seq_lens[:, None]  # (S, 1)
+def _gather_pages(args: DecodeArgs | PrefillArgs, lens: torch.Tensor, min_len: int, dtype: torch.dtype):
+    """Each sequence's first L = max_seq_len keys and values, (S, L, kvh, hs) fresh copies in `dtype`; the
+    slots past a length (lens (S,) on the device; only positions >= min_len can be) read page 0 and are
+    zeroed: a padding entry may hold anything, a stale slot NaN (a mask is not enough: 0 * NaN)."""
+    kc, L, block_size = args.key_cache, args.max_seq_len, args.key_cache.shape[1]
+    nb = cdiv(L, block_size)
     pages = args.block_tables[:, :nb].long()  # (S, nb)
-    if ragged:  # a shorter sequence's padding entries may hold anything: read page 0 instead (zeroed below)
-        used = torch.arange(nb, device=q.device)[None, :] * block_size < lens  # (S, nb)
+    if min_len < L:
+        used = torch.arange(nb, device=kc.device) * block_size < lens[:, None]  # (S, nb)
         pages = torch.where(used, pages, 0)
-    k = kc[pages].flatten(1, 2)[:, :L]  # (S, nb, bs, kvh, hs) -> (S, L, kvh, hs), a view
-    v = vc[pages].flatten(1, 2)[:, :L]
-    mask = None
-    if ragged:  # slots past a seq_len may hold NaN or inf: a mask is not enough (0 * NaN), zero them too
-        valid = torch.arange(L, device=q.device)[None, :] < lens  # (S, L)
-        tail = ~valid[:, min_seq_len:, None, None]  # (S, L - min_seq_len, 1, 1)
-        k[:, min_seq_len:].masked_fill_(tail, 0)
-        v[:, min_seq_len:].masked_fill_(tail, 0)
-        mask = valid[:, None, None, :]  # (S, 1, 1, L): True = attend; broadcast over heads and queries
-    # GQA/MQA: a kv head's G query heads become G query rows of it (each kv head read once; MHA: G = 1)
-    qg = q.view(num_seqs, num_kv_heads, group, head_size)  # (S, kvh, G, hs)
+    k = kc[pages].flatten(1, 2)[:, :L].to(dtype)  # (S, nb, bs, kvh, hs) -> (S, L, kvh, hs)
+    v = args.value_cache[pages].flatten(1, 2)[:, :L].to(dtype)
+    if min_len < L:
+        tail = (torch.arange(min_len, L, device=kc.device) >= lens[:, None])[:, :, None, None]
+        k[:, min_len:].masked_fill_(tail, 0)
+        v[:, min_len:].masked_fill_(tail, 0)
+    return k, v
+
+
+def _sdpa_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float) -> torch.Tensor:
+    """SDPA of q (S, N, nh, hs) over k, v (S, L, kvh, hs); mask (S, N, L), True = attend, or None. GQA:
+    a KV head's G query heads become G x N query rows of it (each KV head read once; MHA: G = 1)."""
+    S, N, num_heads, head_size = q.shape
+    kvh = k.shape[2]
+    G = num_heads // kvh
+    qg = q.view(S, N, kvh, G, head_size).permute(0, 2, 3, 1, 4).reshape(S, kvh, G * N, head_size)
+    if mask is not None:
+        mask = mask[:, None, None].expand(S, 1, G, N, -1).reshape(S, 1, G * N, -1)
     k, v = k.transpose(1, 2), v.transpose(1, 2)  # (S, kvh, L, hs) strided views; SDPA takes them as is
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=args.scale)  # (S, kvh, G, hs)
-    return out.reshape(num_seqs, num_heads, head_size)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)  # (S, kvh, G*N, hs)
+    return out.view(S, kvh, G, N, head_size).permute(0, 3, 1, 2, 4).reshape(S, N, num_heads, head_size)
+
+
+def _decode_torch(args: DecodeArgs) -> torch.Tensor:
+    """Naive paged decode: gather every sequence's pages, then SDPA; each query is its context's last
+    position. From args.min_seq_len (known on the host after its check, else 0) up, positions are masked."""
+    lens, L = args.seq_lens, args.max_seq_len
+    k, v = _gather_pages(args, lens, args.min_seq_len, args.query.dtype)
+    mask = None
+    if args.min_seq_len < L:
+        mask = (torch.arange(L, device=lens.device) < lens[:, None])[:, None]  # (S, 1, L)
+    return _sdpa_paged(args.query[:, None], k, v, mask, args.scale)[:, 0]
 
 
 def _prefill_torch(args: PrefillArgs) -> torch.Tensor:
-    """Paged prefill for the whole batch in one SDPA, no loop over sequences: every sequence's pages
-    gathered into (S, L, kvh, hs), the new tokens laid out on a padded (S, N) grid, a mask that is causal
-    (query row j of sequence s sits at position lens[s] - n_s + j: chunks that start mid-sequence work)
-    and cuts each sequence at its length. The indices come from validation's host copies (no sync)."""
-    q, kc, vc, lens, starts = args.query, args.key_cache, args.value_cache, args.lens_host, args.starts_host
-    (num_tokens, num_heads, head_size), (_, block_size, num_kv_heads, _) = q.shape, kc.shape
-    group, S, L, N, device = (
-        num_heads // num_kv_heads,
-        len(lens),
-        args.max_seq_len,
-        args.max_query_len,
-        q.device,
-    )
+    """Paged prefill of the whole batch in one SDPA: the new tokens on a padded (S, N) grid, a mask that
+    is causal (row j of sequence s sits at position lens[s] - n_s + j: chunks that start mid-sequence
+    work) and cuts each sequence at its length. Indices from validation's host copies (no sync)."""
+    q, lens, starts, N = args.query, args.lens_host, args.starts_host, args.max_query_len
+    S, device, heads = len(lens), q.device, q.shape[1:]
     q_lens = np.diff(starts)  # (S,) new tokens of each sequence
-    # where each new token sits on the (S, N) grid, and where each grid row sits in the sequence
-    rows = np.repeat(np.arange(S) * N - starts[:-1], q_lens) + np.arange(num_tokens)  # (T,)
-    q_pos = (lens - q_lens)[:, None] + np.arange(N)[None, :]  # (S, N); rows past n_s: padding
+    rows = np.repeat(np.arange(S) * N - starts[:-1], q_lens) + np.arange(q.shape[0])  # (T,) grid row of each
+    q_pos = (lens - q_lens)[:, None] + np.arange(N)  # (S, N) position of a grid row; past n_s: padding
     rows, q_pos, lens_d = (torch.from_numpy(x).to(device) for x in (rows, q_pos, lens))
-    nb = cdiv(L, block_size)
-    pages = args.block_tables[:, :nb].long()  # (S, nb)
-    used = torch.arange(nb, device=device)[None, :] * block_size < lens_d[:, None]  # (S, nb)
-    pages = torch.where(used, pages, 0)  # padding entries may hold anything: read page 0 (zeroed below)
     # float32 math for half types on the CPU (float64 stays); CUDA SDPA accumulates in float32 itself
     acc = q.dtype if device.type == "cuda" or q.dtype == torch.float64 else torch.float32
-    k = kc[pages].flatten(1, 2)[:, :L].to(acc)  # (S, nb, bs, kvh, hs) -> (S, L, kvh, hs), a fresh copy
-    v = vc[pages].flatten(1, 2)[:, :L].to(acc)
-    positions = torch.arange(L, device=device)
-    valid = positions[None, :] < lens_d[:, None]  # (S, L)
-    if int(lens.min()) < L:  # stale slots past a length may hold NaN: a mask is not enough (0 * NaN)
-        k.masked_fill_(~valid[:, :, None, None], 0)
-        v.masked_fill_(~valid[:, :, None, None], 0)
-    allowed = positions[None, None, :] <= q_pos[:, :, None]  # (S, N, L); position 0 always: no empty row
-    grid = q.new_zeros(S * N, num_heads, head_size, dtype=acc)
+    k, v = _gather_pages(args, lens_d, int(lens.min()), acc)
+    mask = torch.arange(args.max_seq_len, device=device) <= q_pos[:, :, None]  # (S, N, L); never an empty row
+    grid = q.new_zeros(S * N, *heads, dtype=acc)
     grid[rows] = q.to(acc)  # (S*N, nh, hs): the new tokens, padded per sequence to N rows
-    # GQA: the G query heads of a kv head become G x N query rows of that head (each kv head read once)
-    qg = grid.view(S, N, num_kv_heads, group, head_size).permute(0, 2, 3, 1, 4)  # (S, kvh, G, N, hs)
-    qg = qg.reshape(S, num_kv_heads, group * N, head_size)
-    mask = allowed[:, None, None].expand(S, 1, group, N, L).reshape(S, 1, group * N, L)
-    out = F.scaled_dot_product_attention(
-        qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=args.scale
-    )  # (S, kvh, G*N, hs)
-    out = out.view(S, num_kv_heads, group, N, head_size).permute(0, 3, 1, 2, 4)  # (S, N, kvh, G, hs)
-    return out.reshape(S * N, num_heads, head_size)[rows].to(q.dtype)  # (T, nh, hs)
+    out = _sdpa_paged(grid.view(S, N, *heads), k, v, mask, args.scale)
+    return out.reshape(S * N, *heads)[rows].to(q.dtype)  # (T, nh, hs)
 
 
 # ----------------------------------------------------------------------------- dispatch
