@@ -127,6 +127,8 @@ def _check_tables_host(bt: np.ndarray, lens: np.ndarray, num_blocks: int, block_
     max_blocks = bt.shape[1]
     max_len = max_blocks * block_size
     lens = lens.astype(np.int64)  # (S,) small copy: no int32 overflow below
+    if len(lens) == 0:
+        return lens
     if lens.min() < 1 or lens.max() > max_len:
         i = int(((lens < 1) | (lens > max_len)).argmax())
         raise InvalidArgumentError(
@@ -136,8 +138,7 @@ def _check_tables_host(bt: np.ndarray, lens: np.ndarray, num_blocks: int, block_
     num_used = cdiv(lens, block_size)  # (S,) blocks each sequence reads, >= 1
     used_cols = bt[:, : int(num_used.max())]  # a view: columns past every sequence's end are padding
     # viewed as unsigned, a negative id becomes huge, so one compare finds ids outside [0, num_blocks)
-    unsigned = used_cols.view(np.uint32 if used_cols.dtype == np.int32 else np.uint64)
-    out_of_range = unsigned >= num_blocks  # (S, max_used)
+    out_of_range = used_cols.view(np.uint32 if used_cols.dtype == np.int32 else np.uint64) >= num_blocks
     first = out_of_range.argmax(axis=1)  # (S,) first out-of-range column of each row (0 if none)
     bad_rows = out_of_range[np.arange(len(first)), first] & (first < num_used)
     if bad_rows.any():
@@ -160,10 +161,7 @@ def check_block_tables(
             f"block_tables must be [num_seqs, max_num_blocks_per_seq] and seq_lens [num_seqs], got shapes "
             f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}"
         )
-    if block_tables.shape[0] == 0:
-        return 0
-    bt, lens = _host_view(block_tables, seq_lens)
-    return int(_check_tables_host(bt, lens, num_blocks, block_size).max())
+    return int(_check_tables_host(*_host_view(block_tables, seq_lens), num_blocks, block_size).max(initial=0))
 
 
 def _check_table_shapes(key_cache: torch.Tensor, block_tables, seq_lens, num_seqs: int | None) -> int:
@@ -171,8 +169,7 @@ def _check_table_shapes(key_cache: torch.Tensor, block_tables, seq_lens, num_seq
     device = key_cache.device
     _check_index_tensor("block_tables", block_tables, "[num_seqs, max_num_blocks_per_seq]", 2, device)
     _check_index_tensor("seq_lens", seq_lens, "[num_seqs]", 1, device)
-    if num_seqs is None:
-        num_seqs = block_tables.shape[0]
+    num_seqs = block_tables.shape[0] if num_seqs is None else num_seqs
     if block_tables.shape[0] != num_seqs or (num_seqs > 0 and block_tables.shape[1] < 1):
         raise InvalidArgumentError(
             f"block_tables must be [num_seqs={num_seqs}, max_num_blocks_per_seq>=1], "
@@ -195,7 +192,7 @@ def _normalize(query, key_cache, value_cache, *indices) -> tuple[torch.Tensor, .
 def validate_decode_args(
     query: torch.Tensor,  # (num_seqs, num_heads, head_size)
     key_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_size)
-    value_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_size)
+    value_cache: torch.Tensor,
     block_tables: torch.Tensor,  # (num_seqs, max_num_blocks_per_seq) int32/int64
     seq_lens: torch.Tensor,  # (num_seqs,) int32/int64
     scale: float | None = None,
@@ -213,53 +210,9 @@ def validate_decode_args(
 
 def _with_host_lens(args: DecodeArgs, block_tables, seq_lens) -> DecodeArgs:
     """args after the host check of the caller's tables (int64 ones unclamped), with the true lengths."""
-    if args.query.shape[0] == 0:
-        return args._replace(max_seq_len=0)
-    bt, lens = _host_view(block_tables, seq_lens)
-    lens = _check_tables_host(bt, lens, args.key_cache.shape[0], args.key_cache.shape[1])
-    return args._replace(max_seq_len=int(lens.max()), min_seq_len=int(lens.min()))
-
-
-def validate_prefill_args(
-    query: torch.Tensor,  # (num_tokens, num_heads, head_size)
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # (num_seqs, max_num_blocks_per_seq)
-    seq_lens: torch.Tensor,  # (num_seqs,)
-    query_start_loc: torch.Tensor,  # (num_seqs + 1,)
-    scale: float | None = None,
-) -> PrefillArgs:
-    """`validate_decode_args` plus query_start_loc (0 .. num_tokens, 1 .. seq_len new tokens a sequence);
-    one device->host copy for all three index tensors."""
-    scale = _check_query(query, key_cache, value_cache, scale, "num_tokens")
-    num_seqs = _check_table_shapes(key_cache, block_tables, seq_lens, None)
-    _check_index_tensor("query_start_loc", query_start_loc, "[num_seqs + 1]", 1, key_cache.device)
-    if query_start_loc.shape != (num_seqs + 1,):
-        raise InvalidArgumentError(
-            f"query_start_loc must be [num_seqs + 1] = [{num_seqs + 1}] (num_seqs from block_tables), "
-            f"got shape {tuple(query_start_loc.shape)}"
-        )
-    bt, lens, starts = _host_view(block_tables, seq_lens, query_start_loc)
-    if num_seqs > 0:
-        lens = _check_tables_host(bt, lens, key_cache.shape[0], key_cache.shape[1])
-    lens, starts = lens.astype(np.int64), starts.astype(np.int64)
-    num_tokens = query.shape[0]
-    if starts[0] != 0 or starts[-1] != num_tokens:
-        raise InvalidArgumentError(
-            f"query_start_loc must start at 0 and end at num_tokens={num_tokens}, "
-            f"got {int(starts[0])} .. {int(starts[-1])}"
-        )
-    q_lens = np.diff(starts)  # (S,) new tokens of each sequence
-    bad = (q_lens < 1) | (q_lens > lens)
-    if bad.any():
-        i = int(bad.argmax())
-        raise InvalidArgumentError(
-            f"sequence {i} has {int(q_lens[i])} query tokens (query_start_loc[{i}:{i + 2}] = "
-            f"{starts[i : i + 2].tolist()}); expected 1 .. seq_lens[{i}] = {int(lens[i])}"
-        )
-    tensors = _normalize(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
-    longest, longest_query = (int(lens.max()), int(q_lens.max())) if num_seqs else (0, 0)
-    return PrefillArgs(*tensors, scale, longest, longest_query, lens, starts)
+    num_blocks, block_size = args.key_cache.shape[:2]
+    lens = _check_tables_host(*_host_view(block_tables, seq_lens), num_blocks, block_size)
+    return args._replace(max_seq_len=int(lens.max(initial=0)), min_seq_len=int(lens.min(initial=0)))
 
 
 def _gather_pages(args: DecodeArgs | PrefillArgs, lens: torch.Tensor, min_len: int, dtype: torch.dtype):
@@ -472,28 +425,48 @@ def _checked_paged_attention(tensors, scale, backend, validate, kernel_version, 
 def paged_prefill_attention(
     query: torch.Tensor,  # (num_tokens, num_heads, head_size)
     key_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_size)
-    value_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_size)
-    block_tables: torch.Tensor,  # (num_seqs, max_num_blocks_per_seq) int32
-    seq_lens: torch.Tensor,  # (num_seqs,) int32, context length including the new tokens
-    query_start_loc: torch.Tensor,  # (num_seqs + 1,) int32
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # (num_seqs, max_num_blocks_per_seq) int32/int64
+    seq_lens: torch.Tensor,  # (num_seqs,): context lengths, the new tokens included
+    query_start_loc: torch.Tensor,  # (num_seqs + 1,): cumulative new tokens
     scale: float | None = None,
     *,
     backend: str = "auto",
 ) -> torch.Tensor:  # (num_tokens, num_heads, head_size)
     """Causal attention of each sequence's new tokens (its last, already cached) over its whole context:
-    whole prompts and chunks that start mid-sequence. Only "torch"."""
+    whole prompts and chunks that start mid-sequence. Only "torch". One host copy checks all the indices."""
     one_of(backend, "backend", BACKENDS)
     if backend not in ("auto", "torch"):
         raise InvalidArgumentError(
             f"paged_prefill_attention supports backend 'torch' (or 'auto'), got {backend!r}; "
             "the CUDA kernels implement decode only"
         )
-    args = validate_prefill_args(
-        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale
-    )
-    if args.query.shape[0] == 0:
-        return torch.empty_like(args.query)
-    return _prefill_torch(args)
+    scale = _check_query(query, key_cache, value_cache, scale, "num_tokens")
+    num_seqs = _check_table_shapes(key_cache, block_tables, seq_lens, None)
+    _check_index_tensor("query_start_loc", query_start_loc, "[num_seqs + 1]", 1, key_cache.device)
+    if query_start_loc.shape != (num_seqs + 1,):
+        raise InvalidArgumentError(
+            f"query_start_loc must be [num_seqs + 1] = [{num_seqs + 1}] (num_seqs from block_tables), "
+            f"got shape {tuple(query_start_loc.shape)}"
+        )
+    bt, lens, starts = _host_view(block_tables, seq_lens, query_start_loc)
+    lens, starts = _check_tables_host(bt, lens, *key_cache.shape[:2]), starts.astype(np.int64)
+    if starts[0] != 0 or starts[-1] != query.shape[0]:
+        raise InvalidArgumentError(
+            f"query_start_loc must start at 0 and end at num_tokens={query.shape[0]}, "
+            f"got {int(starts[0])} .. {int(starts[-1])}"
+        )
+    q_lens = np.diff(starts)  # (S,) new tokens of each sequence
+    if (bad := (q_lens < 1) | (q_lens > lens)).any():
+        i = int(bad.argmax())
+        raise InvalidArgumentError(
+            f"sequence {i} has {int(q_lens[i])} query tokens (query_start_loc[{i}:{i + 2}] = "
+            f"{starts[i : i + 2].tolist()}); expected 1 .. seq_lens[{i}] = {int(lens[i])}"
+        )
+    if query.shape[0] == 0:
+        return torch.empty_like(query)
+    tensors = _normalize(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
+    return _prefill_torch(PrefillArgs(*tensors, scale, int(lens.max()), int(q_lens.max()), lens, starts))
 
 
 def to_device(t: torch.Tensor, device) -> torch.Tensor:
