@@ -1,22 +1,17 @@
-"""Paged attention: attention whose keys and values are read from a paged KV cache via block tables.
+"""Paged attention: keys and values read from a paged KV cache through block tables. Token t of sequence s
+lives at key_cache[block_tables[s, t // block_size], t % block_size]    # (num_kv_heads, head_size)
+Decode (`paged_attention`): each sequence's one new token attends to its whole context. Prefill
+(`paged_prefill_attention`): each sequence's new tokens (its last, already cached) attend causally.
 
-Decode (`paged_attention`): one new query token per sequence attends to the sequence's whole context.
-Prefill (`paged_prefill_attention`): each sequence's new tokens (its last ones, already written to the
-cache) attend causally to everything before them. Token t of sequence s lives at
-    key_cache[block_tables[s, t // block_size], t % block_size]    # (num_kv_heads, head_size)
-
-Shapes, dtypes and devices are checked on the host; the values of block_tables and seq_lens (on the
-device) one of three ways (`validate=`; None: `guarded_by_default` picks "guard" or "host"):
-    "host"  (True)   copied to the host and checked with numpy first: free for CPU tensors, one sync for
-                     CUDA ones. The default on the CPU and for backends without a guard (torch, kernels 1-4).
-    "guard"          the in-kernel guard (kernels 5-6; the default for "cupy"): a bad page id is never read,
-                     its sequence's rows come out NaN, the first violation is recorded on the device and
-                     `check_kernel_errors()` raises it later (one sync; the engine calls it once per step).
+Shapes, dtypes and devices are checked on the host; the values of block_tables and seq_lens one of three
+ways (`validate=`; None: `guarded_by_default` picks "guard" or "host"):
+    "host"  (True)   checked with numpy on the host: free for CPU tensors, one sync for CUDA ones.
+    "guard"          the in-kernel guard (kernels 5-6, the default for "cupy"): a bad page id is never read,
+                     its sequence's rows come out NaN, and `check_kernel_errors()` raises it later.
     "trust" (False)  no check, for a caller that checked these tables already (check_block_tables).
-Backends: "torch" gathers the pages and runs SDPA; "cupy" (a GPU) and "emulator" (the CPU) launch a
-`vllmini.cuda_kernels` version (`kernel_version=`; None: its auto rule). "auto" is "cupy" for CUDA tensors
-of FLOAT_DTYPES when CuPy works, else "torch"; never the emulator. Index tensors may be int32 or int64;
-padding entries of block_tables (past a sequence's length) are never read, whatever they hold.
+Backends: "torch" (gather, then SDPA); "cupy" (a GPU) and "emulator" (the CPU) launch a cuda_kernels version
+(`kernel_version=`); "auto": "cupy" for CUDA tensors when CuPy works, else "torch". Padding entries of
+block_tables (past a sequence's length) are never read, whatever they hold.
 """
 
 from __future__ import annotations
@@ -31,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from vllmini import cuda_kernels
-from vllmini.checks import as_float, as_int, cdiv, one_of
+from vllmini.checks import as_float, as_int, cdiv, check_tensor, one_of
 from vllmini.cuda_kernels import KernelVersion, resolve_kernel_version
 from vllmini.errors import InvalidArgumentError, InvalidBlockTableError, InvalidTypeError
 from vllmini.kv_cache import FLOAT_DTYPES, INDEX_DTYPES, check_cache_pair, check_slot_mapping
@@ -74,12 +69,9 @@ class PrefillArgs(NamedTuple):
 
 
 def _check_index_tensor(name: str, t, shape_desc: str, ndim: int, device: torch.device) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise InvalidTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check_tensor(t, name, ndim=ndim, shape_desc=shape_desc)
     if t.dtype not in INDEX_DTYPES:
         raise InvalidTypeError(f"{name} must be int32 (or int64), got {t.dtype}")
-    if t.dim() != ndim:
-        raise InvalidArgumentError(f"{name} must be {ndim}-D {shape_desc}, got shape {tuple(t.shape)}")
     if t.device != device:
         raise InvalidArgumentError(f"{name} is on {t.device} but the caches are on {device}")
 
@@ -87,17 +79,10 @@ def _check_index_tensor(name: str, t, shape_desc: str, ndim: int, device: torch.
 def _check_query(query, key_cache, value_cache, scale, what: str) -> float:
     """The caches, the query against them, and the scale (None: 1/sqrt(head_size)), which it returns."""
     check_cache_pair(key_cache, value_cache)
-    if not isinstance(query, torch.Tensor):
-        raise InvalidTypeError(f"query must be a torch.Tensor, got {type(query).__name__}")
+    check_tensor(query, "query", ndim=3, shape_desc=f"[{what}, num_heads, head_size]")
     num_kv_heads, head_size = key_cache.shape[2], key_cache.shape[3]
-    if query.dim() != 3:
-        raise InvalidArgumentError(
-            f"query must be 3-D [{what}, num_heads, head_size], got shape {tuple(query.shape)}"
-        )
     if query.dtype != key_cache.dtype:
-        raise InvalidTypeError(
-            f"query is {query.dtype} but the caches are {key_cache.dtype}; they must match"
-        )
+        raise InvalidTypeError(f"query is {query.dtype} but the caches are {key_cache.dtype}, must match")
     if query.device != key_cache.device:
         raise InvalidArgumentError(f"query is on {query.device} but the caches are on {key_cache.device}")
     if query.shape[2] != head_size:
@@ -313,10 +298,8 @@ def guarded_by_default(
     dtype: torch.dtype,
     kernel_version: int | str | KernelVersion | None = None,
 ) -> bool:
-    """Who checks the block tables when validate is None (the one place that decides): True for the
-    in-kernel guard (backend "cupy", a guarded kernel), False for the host. A caller running many layers
-    over the same tables asks once: True, then check_kernel_errors() once per step; False, then
-    check_block_tables() once and validate=False."""
+    """Who checks the tables when validate is None (the one place that decides): True, the in-kernel guard
+    (then check_kernel_errors() once per step), or False, the host (check_block_tables(), validate=False)."""
     backend = resolve_backend(backend, device, dtype)
     return backend == "cupy" and resolve_kernel_version(kernel_version, dtype).guard
 
@@ -358,18 +341,14 @@ def paged_attention(
     kernel_version: int | str | None = None,
     max_seq_len: int | None = None,
 ) -> torch.Tensor:  # (num_seqs, num_heads, head_size), query's dtype
-    """Decode attention through block tables: each sequence's one query token attends to its seq_lens[s]
-    cached tokens; backend, validate, kernel_version: the module doc. max_seq_len: max(seq_lens) as the
-    caller knows it on the host (an upper bound will do; None: the tables' width), the kernels' context
-    splits are cut from it (trusted unless validate checks on the host). The checks that need no device
-    data run once per call signature (shapes, dtypes, devices, backend, validate, kernel_version, scale):
-    a later call of it with contiguous tensors goes straight to the planned launch, at kernel cost."""
+    """Decode attention: each sequence's one query token attends to its seq_lens[s] cached tokens (module
+    doc). max_seq_len: max(seq_lens) as the host knows it (an upper bound will do; None: the tables'
+    width); the kernels' splits are cut from it. The checks that need no device data run once per call
+    signature: a later call of it with contiguous tensors goes straight to the planned launch."""
     tensors = (query, key_cache, value_cache, block_tables, seq_lens)
     try:
-        key = (query.shape, query.dtype, query.device, key_cache.shape, key_cache.dtype, key_cache.device,
-               value_cache.shape, value_cache.dtype, value_cache.device, block_tables.shape,
-               block_tables.dtype, block_tables.device, seq_lens.shape, seq_lens.dtype, seq_lens.device,
-               scale, backend, validate, kernel_version)  # fmt: skip
+        key = (*[x for t in tensors for x in (t.shape, t.dtype, t.device)], scale, backend, validate,
+               kernel_version)  # fmt: skip
         known = _CALLS.get(key) if scale is None or type(scale) is float else None
     except (AttributeError, TypeError):  # not tensors, or an unhashable argument: the checks will say
         key = known = None
@@ -387,7 +366,6 @@ def paged_attention(
 
 def _checked_paged_attention(tensors, scale, backend, validate, kernel_version, max_seq_len, key):
     """paged_attention with every check; remembers a signature whose calls need none of them again."""
-    one_of(backend, "backend", BACKENDS)
     args = validate_decode_args(*tensors, scale, tables=False)
     backend = resolve_backend(backend, args.query.device, args.query.dtype)
     version = None
