@@ -37,7 +37,8 @@ VALIDATE_MODES = ("host", "guard", "trust")
 
 
 class DecodeArgs(NamedTuple):
-    """Validated decode inputs: contiguous tensors, int32 indices, a float scale."""
+    """Validated inputs: contiguous tensors, int32 indices, a float scale (prefill: the query's rows are
+    every sequence's new tokens back to back)."""
 
     query: torch.Tensor  # (num_seqs, num_heads, head_size)
     key_cache: torch.Tensor  # (num_blocks, block_size, num_kv_heads, head_size)
@@ -47,22 +48,6 @@ class DecodeArgs(NamedTuple):
     scale: float
     max_seq_len: int  # max(seq_lens) (0 for an empty batch); before the host check the tables' width
     min_seq_len: int  # min(seq_lens) after the host check, else 0 (unknown: the torch path masks all)
-
-
-class PrefillArgs(NamedTuple):
-    """Validated prefill inputs; query holds every sequence's new tokens back to back."""
-
-    query: torch.Tensor  # (num_tokens, num_heads, head_size)
-    key_cache: torch.Tensor
-    value_cache: torch.Tensor
-    block_tables: torch.Tensor  # (num_seqs, max_num_blocks_per_seq) int32
-    seq_lens: torch.Tensor  # (num_seqs,) int32
-    query_start_loc: torch.Tensor  # (num_seqs + 1,) int32
-    scale: float
-    max_seq_len: int
-    max_query_len: int
-    lens_host: np.ndarray  # (num_seqs,) int64: seq_lens on the host (from the check)
-    starts_host: np.ndarray  # (num_seqs + 1,) int64
 
 
 # ----------------------------------------------------------------------------- validation
@@ -200,7 +185,7 @@ def _with_host_lens(args: DecodeArgs, block_tables, seq_lens) -> DecodeArgs:
     return args._replace(max_seq_len=int(lens.max(initial=0)), min_seq_len=int(lens.min(initial=0)))
 
 
-def _gather_pages(args: DecodeArgs | PrefillArgs, lens: torch.Tensor, min_len: int, dtype: torch.dtype):
+def _gather_pages(args: DecodeArgs, lens: torch.Tensor, min_len: int, dtype: torch.dtype):
     """Each sequence's first L = max_seq_len keys and values, (S, L, kvh, hs) fresh copies in `dtype`; the
     slots past a length (lens (S,) on the device; only positions >= min_len can be) read page 0 and are
     zeroed: a padding entry may hold anything, a stale slot NaN (a mask is not enough: 0 * NaN)."""
@@ -244,19 +229,19 @@ def _decode_torch(args: DecodeArgs) -> torch.Tensor:
     return _sdpa_paged(args.query[:, None], k, v, mask, args.scale)[:, 0]
 
 
-def _prefill_torch(args: PrefillArgs) -> torch.Tensor:
+def _prefill_torch(args: DecodeArgs, lens: np.ndarray, starts: np.ndarray) -> torch.Tensor:
     """Paged prefill of the whole batch in one SDPA: the new tokens on a padded (S, N) grid, a mask that
     is causal (row j of sequence s sits at position lens[s] - n_s + j: chunks that start mid-sequence
-    work) and cuts each sequence at its length. Indices from validation's host copies (no sync)."""
-    q, lens, starts, N = args.query, args.lens_host, args.starts_host, args.max_query_len
-    S, device, heads = len(lens), q.device, q.shape[1:]
+    work) and cuts each sequence at its length. lens, starts: host copies of seq_lens, query_start_loc."""
+    q, S, device, heads = args.query, len(lens), args.query.device, args.query.shape[1:]
     q_lens = np.diff(starts)  # (S,) new tokens of each sequence
+    N = int(q_lens.max())
     rows = np.repeat(np.arange(S) * N - starts[:-1], q_lens) + np.arange(q.shape[0])  # (T,) grid row of each
     q_pos = (lens - q_lens)[:, None] + np.arange(N)  # (S, N) position of a grid row; past n_s: padding
     rows, q_pos, lens_d = (torch.from_numpy(x).to(device) for x in (rows, q_pos, lens))
     # float32 math for half types on the CPU (float64 stays); CUDA SDPA accumulates in float32 itself
     acc = q.dtype if device.type == "cuda" or q.dtype == torch.float64 else torch.float32
-    k, v = _gather_pages(args, lens_d, int(lens.min()), acc)
+    k, v = _gather_pages(args, lens_d, args.min_seq_len, acc)
     mask = torch.arange(args.max_seq_len, device=device) <= q_pos[:, :, None]  # (S, N, L); never an empty row
     grid = q.new_zeros(S * N, *heads, dtype=acc)
     grid[rows] = q.to(acc)  # (S*N, nh, hs): the new tokens, padded per sequence to N rows
@@ -443,8 +428,8 @@ def paged_prefill_attention(
         )
     if query.shape[0] == 0:
         return torch.empty_like(query)
-    tensors = _normalize(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
-    return _prefill_torch(PrefillArgs(*tensors, scale, int(lens.max()), int(q_lens.max()), lens, starts))
+    tensors = _normalize(query, key_cache, value_cache, block_tables, seq_lens)
+    return _prefill_torch(DecodeArgs(*tensors, scale, int(lens.max()), int(lens.min())), lens, starts)
 
 
 def to_device(t: torch.Tensor, device) -> torch.Tensor:

@@ -57,9 +57,7 @@ def kernel_dir() -> Path:
     for candidate in (here / "kernels", here.parent / "kernels"):
         if candidate.is_dir():
             return candidate
-    raise KernelSourceNotFoundError(
-        f"no kernels/ folder: looked in {here / 'kernels'} and {here.parent / 'kernels'}"
-    )
+    raise KernelSourceNotFoundError(f"no kernels/ folder in {here} or {here.parent}")
 
 
 def kernel_files(include_bugs: bool = True) -> list[Path]:
@@ -75,9 +73,7 @@ def read_kernel_source(name: str) -> str:
     path = kernel_dir() / (name if name.endswith(".cu") else f"{name}.cu")
     if not path.is_file():
         known = [str(f.relative_to(kernel_dir()).with_suffix("")) for f in kernel_files()]
-        raise KernelSourceNotFoundError(
-            f"no kernel source {name!r} in {kernel_dir()}; expected one of {known}"
-        )
+        raise KernelSourceNotFoundError(f"no kernel source {name!r} in {kernel_dir()}; one of {known}")
     return path.read_text()
 
 
