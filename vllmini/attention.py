@@ -146,9 +146,7 @@ def _check_table_shapes(key_cache: torch.Tensor, block_tables, seq_lens, num_seq
             f"got shape {tuple(block_tables.shape)}"
         )
     if seq_lens.shape != (num_seqs,):
-        raise InvalidArgumentError(
-            f"seq_lens must be [num_seqs={num_seqs}], got shape {tuple(seq_lens.shape)}"
-        )
+        raise InvalidArgumentError(f"seq_lens must be [num_seqs={num_seqs}], got {tuple(seq_lens.shape)}")
     return num_seqs
 
 
@@ -504,12 +502,10 @@ class AttentionMetadata:
             )
         if any(q != 1 for q in query_lens[num_prefills:]):
             raise InvalidArgumentError(
-                f"decode sequences take exactly one new token, got query_lens {query_lens[num_prefills:]}"
+                f"decode sequences take one new token each, got query_lens {query_lens[num_prefills:]}"
             )
         if any(not 1 <= q <= s for q, s in zip(query_lens, seq_lens, strict=True)):
-            raise InvalidArgumentError(
-                f"each query_len must be in [1, seq_len], got {query_lens} for {seq_lens}"
-            )
+            raise InvalidArgumentError(f"query_lens must be in [1, seq_len], got {query_lens} for {seq_lens}")
         if sum(query_lens) != len(slot_mapping):
             raise InvalidArgumentError(
                 f"slot_mapping has {len(slot_mapping)} slots for {sum(query_lens)} new tokens"

