@@ -78,9 +78,8 @@ def _check_query(query, key_cache, value_cache, scale, what: str) -> float:
 
 def _host_view(*tensors: torch.Tensor) -> list[np.ndarray]:
     """The index tensors as numpy arrays on the host: CPU tensors viewed in place, others by `_host_copy`."""
-    if all(t.device.type == "cpu" for t in tensors):
-        return [t.numpy() for t in tensors]
-    return _host_copy(*tensors)
+    on_cpu = all(t.device.type == "cpu" for t in tensors)
+    return [t.numpy() for t in tensors] if on_cpu else _host_copy(*tensors)
 
 
 def _host_copy(*tensors: torch.Tensor) -> list[np.ndarray]:
@@ -287,10 +286,11 @@ def guarded_by_default(
     return backend == "cupy" and resolve_kernel_version(kernel_version, dtype).guard
 
 
-def _table_check_mode(validate, backend: str, version: KernelVersion | None, query: torch.Tensor) -> str:
-    """validate= (None, True, False or a VALIDATE_MODES name) -> "host", "guard" or "trust"."""
+def _table_check_mode(validate, backend: str, version: KernelVersion | None) -> str:
+    """validate= (None, True, False or a VALIDATE_MODES name) -> "host", "guard" or "trust"; None follows
+    `guarded_by_default` (for a backend and version resolved already)."""
     if validate is None:
-        return "guard" if guarded_by_default(backend, query.device, query.dtype, version) else "host"
+        return "guard" if backend == "cupy" and version.guard else "host"
     if validate is True or validate is False:
         return "host" if validate else "trust"
     if validate not in VALIDATE_MODES:
@@ -361,7 +361,7 @@ def _checked_paged_attention(tensors, scale, backend, validate, kernel_version, 
             f"kernel_version applies to backends 'cupy' and 'emulator', not {backend!r}; "
             f"got {kernel_version!r}"
         )
-    mode = _table_check_mode(validate, backend, version, args.query)
+    mode = _table_check_mode(validate, backend, version)
     if args.query.shape[0] == 0:
         return torch.empty_like(args.query)
     if mode == "host":

@@ -204,15 +204,13 @@ def launch_plan(
     Versions 1-4: a block per (sequence, query head); 5-6: per (sequence, heads_per_block query heads of a
     GQA group, context piece), the pieces cut from max_seq_len (None: the table's width), none under
     MIN_SPLIT_TOKENS; `num_splits` forces a count."""
-    chunks = cdiv(head_size, WARP_SIZE)  # 32-dim chunks of a head
+    chunks, block = cdiv(head_size, WARP_SIZE), (version.threads, 1, 1)  # 32-dim chunks of a head
     if version.number < 5:
         if version.number == 1:
             shared_mem = (max_num_blocks_per_seq * block_size + version.threads) * 4  # scores + scratch
         else:
             shared_mem = (version.threads // 16) * (head_size + 2) * 4  # per lane group: max, sum, output
-        return LaunchPlan(
-            (num_seqs, num_heads, 1), (version.threads, 1, 1), shared_mem, 1, 1, max_num_blocks_per_seq, ()
-        )
+        return LaunchPlan((num_seqs, num_heads, 1), block, shared_mem, 1, 1, max_num_blocks_per_seq, ())
     group = num_heads // num_kv_heads
     longest = max_num_blocks_per_seq * block_size if max_seq_len is None else max_seq_len
     used = min(cdiv(longest, block_size), max_num_blocks_per_seq)  # the pages the pieces cover
@@ -237,9 +235,7 @@ def launch_plan(
     pages_per_split = cdiv(used, num_splits)
     num_splits = cdiv(used, pages_per_split)  # no empty piece at the end
     grid = (num_seqs, num_heads // heads_per_block, num_splits)
-    return LaunchPlan(
-        grid, (version.threads, 1, 1), shared_mem, heads_per_block, num_splits, pages_per_split, options
-    )
+    return LaunchPlan(grid, block, shared_mem, heads_per_block, num_splits, pages_per_split, options)
 
 
 def _num_splits(number: int, blocks: int, slots: int, longest: int) -> int:
@@ -334,9 +330,8 @@ def paged_attention_kernel(
     source: str | None = None,
     max_seq_len: int | None = None,
 ) -> torch.Tensor:
-    """Check what no kernel survives, then launch one version (None: the auto rule), sync-free; fills out.
-    `error` turns on the in-kernel guard (check_kernel_errors); `num_splits` forces the split (tests);
-    `source` (cupy) launches another text with the same arguments (benchmarks)."""
+    """Check what no kernel survives, launch one version (None: the auto rule) sync-free, fill out. `error`:
+    the in-kernel guard's record; `num_splits` forces a split (tests); `source`: another text (benchmarks)."""
     one_of(runtime, "runtime", RUNTIMES)
     tensors = (query, key_cache, value_cache, block_tables, seq_lens, out)
     names = ("query", "key_cache", "value_cache", "block_tables", "seq_lens", "out")
@@ -461,7 +456,7 @@ def plan_call(
         raise InvalidArgumentError(f"kernel version 6 supports head_size 64 or 128, got {head_size}")
     if kernel.number > 1 and head_size > MAX_HEAD_SIZE:
         raise InvalidArgumentError(
-            f"kernel version {kernel.number} supports head_size <= {MAX_HEAD_SIZE}, got {head_size}"
+            f"kernel version {kernel.number}: head_size <= {MAX_HEAD_SIZE}, got {head_size}"
         )
     if num_heads > MAX_GRID_YZ:
         raise InvalidArgumentError(f"num_heads must be <= {MAX_GRID_YZ} (gridDim.y), got {num_heads}")
