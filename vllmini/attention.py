@@ -178,9 +178,8 @@ def _with_host_lens(args: DecodeArgs, block_tables, seq_lens) -> DecodeArgs:
 
 
 def _gather_pages(args: DecodeArgs, lens: torch.Tensor, min_len: int, dtype: torch.dtype):
-    """Each sequence's first L = max_seq_len keys and values, (S, L, kvh, hs) fresh copies in `dtype`; the
-    slots past a length (lens (S,) on the device; only positions >= min_len can be) read page 0 and are
-    zeroed: a padding entry may hold anything, a stale slot NaN (a mask is not enough: 0 * NaN)."""
+    """Each sequence's first L = max_seq_len keys and values, (S, L, kvh, hs) copies in `dtype`; slots past
+    a length (from min_len up) read page 0 and are zeroed: they may hold NaN, and 0 * NaN is NaN."""
     kc, L, block_size = args.key_cache, args.max_seq_len, args.key_cache.shape[1]
     nb = cdiv(L, block_size)
     pages = args.block_tables[:, :nb].long()  # (S, nb)
@@ -220,9 +219,8 @@ def _decode_torch(args: DecodeArgs) -> torch.Tensor:
 
 
 def _prefill_torch(args: DecodeArgs, lens: np.ndarray, starts: np.ndarray) -> torch.Tensor:
-    """Paged prefill of the whole batch in one SDPA: the new tokens on a padded (S, N) grid, a mask that
-    is causal (row j of sequence s sits at position lens[s] - n_s + j: chunks that start mid-sequence
-    work) and cuts each sequence at its length. lens, starts: host copies of seq_lens, query_start_loc."""
+    """The whole prefill in one SDPA: new tokens on a padded (S, N) grid, row j of sequence s at position
+    lens[s] - n_s + j (chunks start mid-sequence), a causal mask; lens, starts: host copies."""
     q, S, device, heads = args.query, len(lens), args.query.device, args.query.shape[1:]
     q_lens = np.diff(starts)  # (S,) new tokens of each sequence
     N = int(q_lens.max())
@@ -315,10 +313,9 @@ def paged_attention(
     kernel_version: int | str | None = None,
     max_seq_len: int | None = None,
 ) -> torch.Tensor:  # (num_seqs, num_heads, head_size), query's dtype
-    """Decode attention: each sequence's one query token attends to its seq_lens[s] cached tokens (module
-    doc). max_seq_len: max(seq_lens) as the host knows it (an upper bound will do; None: the tables'
-    width); the kernels' splits are cut from it. The checks that need no device data run once per call
-    signature: a later call of it with contiguous tensors goes straight to the planned launch."""
+    """Decode attention, each sequence's one query over its seq_lens[s] cached tokens (module doc).
+    max_seq_len: max(seq_lens) as the host knows it (None: the tables' width), the kernels' splits come from
+    it. The device-free checks run once per call signature; later calls go straight to the planned launch."""
     tensors = (query, key_cache, value_cache, block_tables, seq_lens)
     try:
         key = (*[x for t in tensors for x in (t.shape, t.dtype, t.device)], scale, backend, validate,
@@ -435,8 +432,7 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
 @dataclasses.dataclass
 class AttentionMetadata:
     """Where this step's tokens go in the cache and what each sequence reads: prefills first, then decodes
-    (one new token each); sequence i's new tokens, input_ids[query_start_loc[i]:query_start_loc[i+1]], are
-    its last ones (after this step it holds seq_lens[i] tokens in the cache)."""
+    (one token each); sequence i's new tokens, query_start_loc[i]:query_start_loc[i+1], are its last."""
 
     slot_mapping: torch.Tensor  # (num_tokens,) int64: cache slot of each new token
     block_tables: torch.Tensor  # (num_seqs, max_num_blocks_per_seq) int32, padded with -1

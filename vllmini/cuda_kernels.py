@@ -129,9 +129,8 @@ def resolve_kernel_version(
     group: int = 1,
     tensor_cores: bool = True,
 ) -> KernelVersion:
-    """A KernelVersion from a number (4), a name ("half_warps"), a stem ("4_half_warps") or itself. None:
-    the auto rule, version 6 for float16/bfloat16, head size 64 or 128, a GQA group > 1 and tensor cores
-    (sm_80+; the emulator models them), version 5 otherwise (MHA, float32, other heads, older GPUs)."""
+    """A KernelVersion from a number, a name ("half_warps"), a stem ("4_half_warps") or itself. None: 6
+    for a 16-bit GQA group of head size 64 or 128 on tensor cores (sm_80+, or the emulator), else 5."""
     versions = kernel_versions()
     if version is None:
         six = versions.get(6)
@@ -198,10 +197,8 @@ def launch_plan(
     num_splits: int | None = None,
     max_seq_len: int | None = None,
 ) -> LaunchPlan:
-    """The launch of `version` on a GPU with `sms` multiprocessors (cached; notebook 07 tells the rule).
-    Versions 1-4: a block per (sequence, query head); 5-6: per (sequence, heads_per_block query heads of a
-    GQA group, context piece), the pieces cut from max_seq_len (None: the table's width), none under
-    MIN_SPLIT_TOKENS; `num_splits` forces a count."""
+    """The launch of `version` on `sms` multiprocessors (cached; notebook 07 tells the rule): a block per
+    (sequence, query head) for 1-4, per (sequence, heads of a group, context piece) for 5-6."""
     chunks, block = cdiv(head_size, WARP_SIZE), (version.threads, 1, 1)  # 32-dim chunks of a head
     if version.number < 5:
         if version.number == 1:
@@ -487,8 +484,7 @@ def plan_call(
 
 
 class _Packer:
-    """A cupy kernel and its cuLaunchKernel arguments: an 8-byte slot each (pointers, int32s, the scale),
-    packed per launch and copied by the driver: the buffer is free again on return (one thread at a time)."""
+    """A cupy kernel and its cuLaunchKernel arguments, an 8-byte slot each, packed per launch (one thread)."""
 
     def __init__(self, kernel, pointers: int, ints: int):
         from cupy_backends.cuda.api import driver
