@@ -137,9 +137,9 @@ def _check_table_shapes(key_cache: torch.Tensor, block_tables, seq_lens, num_seq
     _check_index_tensor("seq_lens", seq_lens, "[num_seqs]", 1, device)
     num_seqs = block_tables.shape[0] if num_seqs is None else num_seqs
     if block_tables.shape[0] != num_seqs or (num_seqs > 0 and block_tables.shape[1] < 1):
+        shape = tuple(block_tables.shape)
         raise InvalidArgumentError(
-            f"block_tables must be [num_seqs={num_seqs}, max_num_blocks_per_seq>=1], "
-            f"got shape {tuple(block_tables.shape)}"
+            f"block_tables must be [num_seqs={num_seqs}, max_num_blocks_per_seq>=1], got {shape}"
         )
     if seq_lens.shape != (num_seqs,):
         raise InvalidArgumentError(f"seq_lens must be [num_seqs={num_seqs}], got {tuple(seq_lens.shape)}")
@@ -294,8 +294,7 @@ def _table_check_mode(validate, backend: str, version: KernelVersion | None) -> 
     return validate
 
 
-# a call's signature -> what its checks decided: (backend, version, scale, the guard's record or None
-# for "trust", {max_seq_len: cuda_kernels.PreparedCall}); the fast path of paged_attention
+# the fast path: call signature -> (backend, version, scale, guard record or None, {max_seq_len: plan})
 _CALLS: dict[tuple, tuple] = {}
 MAX_CACHED_CALLS = 256
 
@@ -327,9 +326,9 @@ def paged_attention(
     if fast and all(map(torch.Tensor.is_contiguous, tensors)):
         backend, version, scale, error, calls = known
         if (call := calls.get(max_seq_len)) is None:
-            shapes = (query.shape, key_cache.shape, block_tables.shape[1], None, max_seq_len)
+            where = (version, backend, query.device, query.dtype, query.shape, key_cache.shape)
             call = calls[max_seq_len] = cuda_kernels.plan_call(
-                version, backend, query.device, query.dtype, *shapes
+                *where, block_tables.shape[1], None, max_seq_len
             )
         return call.run(tensors, torch.empty_like(query), error, scale)
     return _checked_paged_attention(tensors, scale, backend, validate, kernel_version, max_seq_len, key)

@@ -8,8 +8,10 @@ from __future__ import annotations
 import ctypes
 import functools
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import NamedTuple
 
 import numpy as np
@@ -109,16 +111,12 @@ VERSIONS: tuple[KernelVersion, ...] = tuple(KernelVersion(*row) for row in (
 
 
 @functools.cache
-def _present_versions() -> tuple[KernelVersion, ...]:
+def kernel_versions() -> Mapping[int, KernelVersion]:
+    """The versions whose .cu file is present (looked up once, ~100 us), by number; read-only."""
     try:
-        return tuple(v for v in VERSIONS if (kernel_dir() / f"{v.file}.cu").is_file())
+        return MappingProxyType({v.number: v for v in VERSIONS if (kernel_dir() / f"{v.file}.cu").is_file()})
     except KernelSourceNotFoundError:
-        return ()
-
-
-def kernel_versions() -> dict[int, KernelVersion]:
-    """The versions whose .cu file is present (looked up once, ~100 us), by number."""
-    return {v.number: v for v in _present_versions()}
+        return MappingProxyType({})
 
 
 def resolve_kernel_version(
@@ -271,12 +269,12 @@ def compile_for_arch(
     nvrtc = _nvrtc()
     prog = nvrtc.createProgram(source, name, [], [])
     try:
-        try:
-            nvrtc.compileProgram(prog, [f"--gpu-architecture={arch}", *NVRTC_OPTIONS, *options])
-        except Exception as e:
-            log = nvrtc.getProgramLog(prog)
-            raise KernelBuildError(f"NVRTC failed to compile {name} for {arch}:\n{log}") from e
+        nvrtc.compileProgram(prog, [f"--gpu-architecture={arch}", *NVRTC_OPTIONS, *options])
         return nvrtc.getCUBIN(prog) if arch.startswith("sm_") else nvrtc.getPTX(prog)
+    except Exception as e:
+        raise KernelBuildError(
+            f"NVRTC failed to compile {name} for {arch}:\n{nvrtc.getProgramLog(prog)}"
+        ) from e
     finally:
         nvrtc.destroyProgram(prog)
 
