@@ -49,9 +49,6 @@ class DecodeArgs(NamedTuple):
     min_seq_len: int  # min(seq_lens) after the host check, else 0 (unknown: the torch path masks all)
 
 
-# ----------------------------------------------------------------------------- validation
-
-
 def _check_index_tensor(name: str, t, shape_desc: str, ndim: int, device: torch.device) -> None:
     check_tensor(t, name, ndim=ndim, shape_desc=shape_desc)
     if t.dtype not in INDEX_DTYPES:
@@ -91,8 +88,7 @@ def _host_copy(*tensors: torch.Tensor) -> list[np.ndarray]:
 
 def _check_tables_host(bt: np.ndarray, lens: np.ndarray, num_blocks: int, block_size: int) -> np.ndarray:
     """Check tables (S, M) and seq_lens (S,) on the host, only the entries a length reads; lens as int64."""
-    max_blocks = bt.shape[1]
-    max_len = max_blocks * block_size
+    max_blocks, max_len = bt.shape[1], bt.shape[1] * block_size
     lens = lens.astype(np.int64)  # (S,) small copy: no int32 overflow below
     if len(lens) == 0:
         return lens
@@ -237,9 +233,6 @@ def _prefill_torch(args: DecodeArgs, lens: np.ndarray, starts: np.ndarray) -> to
     return out.reshape(S * N, *heads)[rows].to(q.dtype)  # (T, nh, hs)
 
 
-# ----------------------------------------------------------------------------- dispatch
-
-
 @functools.cache
 def cupy_usable() -> bool:
     """True when CuPy imports and sees a CUDA device (checked once)."""
@@ -345,8 +338,7 @@ def _checked_paged_attention(tensors, scale, backend, validate, kernel_version, 
         )
     elif kernel_version is not None:
         raise InvalidArgumentError(
-            f"kernel_version applies to backends 'cupy' and 'emulator', not {backend!r}; "
-            f"got {kernel_version!r}"
+            f"kernel_version applies to backends 'cupy', 'emulator', not {backend!r}; got {kernel_version!r}"
         )
     mode = _table_check_mode(validate, backend, version)
     if args.query.shape[0] == 0:
@@ -422,10 +414,6 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
     if device.type == "cuda" and t.device.type == "cpu":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
-
-
-# -----------------------------------------------------------------------------
-# attention metadata: how the flat batch of tokens maps onto sequences and pages
 
 
 @dataclasses.dataclass

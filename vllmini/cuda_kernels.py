@@ -50,9 +50,6 @@ ERROR_FIELDS = 5  # the guard's record: flag, sequence, table entry (-1: seq_len
 _error_buffers: dict[torch.device, torch.Tensor] = {}  # device -> int32 [ERROR_FIELDS], zero when clean
 
 
-# ----------------------------------------------------------------------------- the registry
-
-
 def kernel_dir() -> Path:
     """The folder of .cu files: vllmini/kernels/ inside an installed wheel, else the checkout's kernels/."""
     here = Path(__file__).resolve().parent
@@ -260,9 +257,7 @@ def nvrtc_version() -> tuple[int, int]:
     return tuple(_nvrtc().getVersion())
 
 
-def compile_for_arch(
-    source: str, arch: str, *, name: str = "kernel.cu", options: tuple[str, ...] = ()
-) -> bytes:
+def compile_for_arch(source: str, arch: str, *, name: str = "kernel.cu", options: tuple = ()) -> bytes:
     """NVRTC, no GPU needed: a cubin for "sm_XX", PTX for "compute_XX"; KernelBuildError with the log."""
     if not (arch.startswith("sm_") or arch.startswith("compute_")) or not arch.split("_", 1)[1].isdigit():
         raise InvalidArgumentError(f"arch must look like 'sm_80' or 'compute_80', got {arch!r}")
@@ -503,12 +498,8 @@ class _Packer:
 
 def _emulated(kernel, grid, block, shared_mem: int, stream: int, *values) -> None:
     """An emulator kernel behind _Packer's call: the same values (pointers as raw CPU addresses)."""
-    kernel(
-        grid, block, tuple(np.float32(v) if type(v) is float else v for v in values), shared_mem=shared_mem
-    )
-
-
-# ----------------------------------------------------------------------------- the in-kernel guard's record
+    values = tuple(np.float32(v) if type(v) is float else v for v in values)  # the scale, as _Packer packs it
+    kernel(grid, block, values, shared_mem=shared_mem)
 
 
 def _normalize_device(device: torch.device | str) -> torch.device:
