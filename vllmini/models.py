@@ -139,8 +139,7 @@ def convert_gguf(gguf: Path, dest: Path) -> None:
     """A GGUF file -> a Hugging Face folder of float32 safetensors and tokenizer files (transformers)."""
     if missing := [m for m in ("transformers", "gguf", "accelerate") if importlib.util.find_spec(m) is None]:
         raise CheckpointError(
-            f"converting the GGUF file needs transformers, gguf and accelerate (missing: {missing}): "
-            f"pip install -c constraints.txt transformers gguf accelerate"
+            f"converting the GGUF file needs {missing}: pip install transformers gguf accelerate"
         )
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
