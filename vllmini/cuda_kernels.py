@@ -529,5 +529,5 @@ def check_kernel_errors(device: torch.device | str | None = None) -> None:
         if entry < 0:
             what = f"seq_lens[{seq}] = {value} is out of range: expected 1 .. {limit} (the table's tokens)"
         raise InvalidBlockTableError(
-            f"{what}, seen on {d} by the in-kernel guard (that sequence's rows: NaN)"
+            f"{what} (seen on {d} by the in-kernel guard since the last check; that sequence's output is NaN)"
         )
