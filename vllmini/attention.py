@@ -1,22 +1,16 @@
-"""Paged attention: attention whose keys and values are read from a paged KV cache via block tables.
+"""Paged attention: keys and values read from a paged KV cache through block tables. Token t of sequence s
+lives at key_cache[block_tables[s, t // block_size], t % block_size]    # (num_kv_heads, head_size)
+Decode (`paged_attention`): each sequence's one new token attends to its whole context. Prefill
+(`paged_prefill_attention`): each sequence's new tokens (its last, already cached) attend causally.
 
-Decode (`paged_attention`): one new query token per sequence attends to the sequence's whole context.
-Prefill (`paged_prefill_attention`): each sequence's new tokens (its last ones, already written to the
-cache) attend causally to everything before them. Token t of sequence s lives at
-    key_cache[block_tables[s, t // block_size], t % block_size]    # (num_kv_heads, head_size)
-
-Shapes, dtypes and devices are checked on the host; the values of block_tables and seq_lens (on the
-device) one of three ways (`validate=`; None: `guarded_by_default` picks "guard" or "host"):
-    "host"  (True)   copied to the host and checked with numpy first: free for CPU tensors, one sync for
-                     CUDA ones. The default on the CPU and for backends without a guard (torch, kernels 1-4).
-    "guard"          the in-kernel guard (kernels 5-6; the default for "cupy"): a bad page id is never read,
-                     its sequence's rows come out NaN, the first violation is recorded on the device and
-                     `check_kernel_errors()` raises it later (one sync; the engine calls it once per step).
+Shapes, dtypes and devices are checked on the host; the values of block_tables and seq_lens one of three
+ways (`validate=`; None: `guarded_by_default` picks "guard" or "host"):
+    "host"  (True)   checked with numpy on the host: free for CPU tensors, one sync for CUDA ones.
+    "guard"          the in-kernel guard (kernels 5-6, the default for "cupy"): a bad page id is never read,
+                     its sequence's rows come out NaN, and `check_kernel_errors()` raises it later.
     "trust" (False)  no check, for a caller that checked these tables already (check_block_tables).
-Backends: "torch" gathers the pages and runs SDPA; "cupy" (a GPU) and "emulator" (the CPU) launch a
-`vllmini.cuda_kernels` version (`kernel_version=`; None: its auto rule). "auto" is "cupy" for CUDA tensors
-of FLOAT_DTYPES when CuPy works, else "torch"; never the emulator. Index tensors may be int32 or int64;
-padding entries of block_tables (past a sequence's length) are never read, whatever they hold.
+Backends: "torch" (gather, then SDPA); "cupy" (a GPU) and "emulator" (the CPU) launch a cuda_kernels version
+(`kernel_version=`); "auto": "cupy" for CUDA tensors when CuPy works, else "torch".
 """
 
 from __future__ import annotations
@@ -31,18 +25,17 @@ import torch
 import torch.nn.functional as F
 
 from vllmini import cuda_kernels
-from vllmini.checks import as_float, as_int, cdiv, one_of
+from vllmini.checks import as_float, as_int, cdiv, check_tensor, one_of
 from vllmini.cuda_kernels import KernelVersion, resolve_kernel_version
 from vllmini.errors import InvalidArgumentError, InvalidBlockTableError, InvalidTypeError
 from vllmini.kv_cache import FLOAT_DTYPES, INDEX_DTYPES, check_cache_pair, check_slot_mapping
 
 BACKENDS = ("auto", "torch", "cupy", "emulator")
-# validate= takes one of these, or None (auto), True ("host"), False ("trust")
-VALIDATE_MODES = ("host", "guard", "trust")
+VALIDATE_MODES = ("host", "guard", "trust")  # and None (auto), True ("host"), False ("trust")
 
 
 class DecodeArgs(NamedTuple):
-    """Validated decode inputs: contiguous tensors, int32 indices, a float scale."""
+    """Validated inputs: contiguous tensors, int32 indices, a float scale (prefill: new tokens in a row)."""
 
     query: torch.Tensor  # (num_seqs, num_heads, head_size)
     key_cache: torch.Tensor  # (num_blocks, block_size, num_kv_heads, head_size)
@@ -54,32 +47,10 @@ class DecodeArgs(NamedTuple):
     min_seq_len: int  # min(seq_lens) after the host check, else 0 (unknown: the torch path masks all)
 
 
-class PrefillArgs(NamedTuple):
-    """Validated prefill inputs; query holds every sequence's new tokens back to back."""
-
-    query: torch.Tensor  # (num_tokens, num_heads, head_size)
-    key_cache: torch.Tensor
-    value_cache: torch.Tensor
-    block_tables: torch.Tensor  # (num_seqs, max_num_blocks_per_seq) int32
-    seq_lens: torch.Tensor  # (num_seqs,) int32
-    query_start_loc: torch.Tensor  # (num_seqs + 1,) int32
-    scale: float
-    max_seq_len: int
-    max_query_len: int
-    lens_host: np.ndarray  # (num_seqs,) int64: seq_lens on the host (from the check)
-    starts_host: np.ndarray  # (num_seqs + 1,) int64
-
-
-# ----------------------------------------------------------------------------- validation
-
-
 def _check_index_tensor(name: str, t, shape_desc: str, ndim: int, device: torch.device) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise InvalidTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check_tensor(t, name, ndim=ndim, shape_desc=shape_desc)
     if t.dtype not in INDEX_DTYPES:
         raise InvalidTypeError(f"{name} must be int32 (or int64), got {t.dtype}")
-    if t.dim() != ndim:
-        raise InvalidArgumentError(f"{name} must be {ndim}-D {shape_desc}, got shape {tuple(t.shape)}")
     if t.device != device:
         raise InvalidArgumentError(f"{name} is on {t.device} but the caches are on {device}")
 
@@ -87,17 +58,10 @@ def _check_index_tensor(name: str, t, shape_desc: str, ndim: int, device: torch.
 def _check_query(query, key_cache, value_cache, scale, what: str) -> float:
     """The caches, the query against them, and the scale (None: 1/sqrt(head_size)), which it returns."""
     check_cache_pair(key_cache, value_cache)
-    if not isinstance(query, torch.Tensor):
-        raise InvalidTypeError(f"query must be a torch.Tensor, got {type(query).__name__}")
+    check_tensor(query, "query", ndim=3, shape_desc=f"[{what}, num_heads, head_size]")
     num_kv_heads, head_size = key_cache.shape[2], key_cache.shape[3]
-    if query.dim() != 3:
-        raise InvalidArgumentError(
-            f"query must be 3-D [{what}, num_heads, head_size], got shape {tuple(query.shape)}"
-        )
     if query.dtype != key_cache.dtype:
-        raise InvalidTypeError(
-            f"query is {query.dtype} but the caches are {key_cache.dtype}; they must match"
-        )
+        raise InvalidTypeError(f"query is {query.dtype} but the caches are {key_cache.dtype}, must match")
     if query.device != key_cache.device:
         raise InvalidArgumentError(f"query is on {query.device} but the caches are on {key_cache.device}")
     if query.shape[2] != head_size:
@@ -108,25 +72,23 @@ def _check_query(query, key_cache, value_cache, scale, what: str) -> float:
 
 def _host_view(*tensors: torch.Tensor) -> list[np.ndarray]:
     """The index tensors as numpy arrays on the host: CPU tensors viewed in place, others by `_host_copy`."""
-    if all(t.device.type == "cpu" for t in tensors):
-        return [t.numpy() for t in tensors]
-    return _host_copy(*tensors)
+    on_cpu = all(t.device.type == "cpu" for t in tensors)
+    return [t.numpy() for t in tensors] if on_cpu else _host_copy(*tensors)
 
 
 def _host_copy(*tensors: torch.Tensor) -> list[np.ndarray]:
     """ONE device->host copy (one sync) of all the tensors, flattened into one (int64 if any is)."""
     dtype = torch.int64 if any(t.dtype == torch.int64 for t in tensors) else torch.int32
-    flat = torch.cat([t.reshape(-1).to(dtype) for t in tensors]).cpu()
-    parts = flat.split([t.numel() for t in tensors])
+    parts = torch.cat([t.reshape(-1).to(dtype) for t in tensors]).cpu().split([t.numel() for t in tensors])
     return [part.reshape(t.shape).numpy() for part, t in zip(parts, tensors, strict=True)]
 
 
 def _check_tables_host(bt: np.ndarray, lens: np.ndarray, num_blocks: int, block_size: int) -> np.ndarray:
-    """Check block tables (S, M) and seq_lens (S,) on the host; return seq_lens as int64 (S,). A sequence
-    of length n reads the first ceil(n / block_size) entries of its row; the rest may hold anything."""
-    max_blocks = bt.shape[1]
-    max_len = max_blocks * block_size
+    """Check tables (S, M) and seq_lens (S,) on the host, only the entries a length reads; lens as int64."""
+    max_blocks, max_len = bt.shape[1], bt.shape[1] * block_size
     lens = lens.astype(np.int64)  # (S,) small copy: no int32 overflow below
+    if len(lens) == 0:
+        return lens
     if lens.min() < 1 or lens.max() > max_len:
         i = int(((lens < 1) | (lens > max_len)).argmax())
         raise InvalidArgumentError(
@@ -136,13 +98,11 @@ def _check_tables_host(bt: np.ndarray, lens: np.ndarray, num_blocks: int, block_
     num_used = cdiv(lens, block_size)  # (S,) blocks each sequence reads, >= 1
     used_cols = bt[:, : int(num_used.max())]  # a view: columns past every sequence's end are padding
     # viewed as unsigned, a negative id becomes huge, so one compare finds ids outside [0, num_blocks)
-    unsigned = used_cols.view(np.uint32 if used_cols.dtype == np.int32 else np.uint64)
-    out_of_range = unsigned >= num_blocks  # (S, max_used)
+    out_of_range = used_cols.view(np.uint32 if used_cols.dtype == np.int32 else np.uint64) >= num_blocks
     first = out_of_range.argmax(axis=1)  # (S,) first out-of-range column of each row (0 if none)
     bad_rows = out_of_range[np.arange(len(first)), first] & (first < num_used)
     if bad_rows.any():
-        s = int(bad_rows.argmax())
-        j = int(first[s])
+        j = int(first[s := int(bad_rows.argmax())])  # the first bad row, and its first bad column
         raise InvalidBlockTableError(
             f"block_tables[{s}, {j}] = {int(bt[s, j])} is not a block id in [0, {num_blocks}) "
             f"(sequence {s} has seq_len {int(lens[s])}, so it reads blocks 0..{int(num_used[s]) - 1})"
@@ -153,17 +113,13 @@ def _check_tables_host(bt: np.ndarray, lens: np.ndarray, num_blocks: int, block_
 def check_block_tables(
     block_tables: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int, block_size: int
 ) -> int:
-    """The host-side table checks of `paged_attention` alone (one host copy); returns max(seq_lens). For a
-    caller that runs many layers over the same tables, then `paged_attention(..., validate=False)`."""
+    """`paged_attention`'s host table checks alone (then validate=False); returns max(seq_lens)."""
     if block_tables.dim() != 2 or seq_lens.shape != (block_tables.shape[0],):
         raise InvalidArgumentError(
             f"block_tables must be [num_seqs, max_num_blocks_per_seq] and seq_lens [num_seqs], got shapes "
             f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}"
         )
-    if block_tables.shape[0] == 0:
-        return 0
-    bt, lens = _host_view(block_tables, seq_lens)
-    return int(_check_tables_host(bt, lens, num_blocks, block_size).max())
+    return int(_check_tables_host(*_host_view(block_tables, seq_lens), num_blocks, block_size).max(initial=0))
 
 
 def _check_table_shapes(key_cache: torch.Tensor, block_tables, seq_lens, num_seqs: int | None) -> int:
@@ -171,23 +127,19 @@ def _check_table_shapes(key_cache: torch.Tensor, block_tables, seq_lens, num_seq
     device = key_cache.device
     _check_index_tensor("block_tables", block_tables, "[num_seqs, max_num_blocks_per_seq]", 2, device)
     _check_index_tensor("seq_lens", seq_lens, "[num_seqs]", 1, device)
-    if num_seqs is None:
-        num_seqs = block_tables.shape[0]
+    num_seqs = block_tables.shape[0] if num_seqs is None else num_seqs
     if block_tables.shape[0] != num_seqs or (num_seqs > 0 and block_tables.shape[1] < 1):
+        shape = tuple(block_tables.shape)
         raise InvalidArgumentError(
-            f"block_tables must be [num_seqs={num_seqs}, max_num_blocks_per_seq>=1], "
-            f"got shape {tuple(block_tables.shape)}"
+            f"block_tables must be [num_seqs={num_seqs}, max_num_blocks_per_seq>=1], got {shape}"
         )
     if seq_lens.shape != (num_seqs,):
-        raise InvalidArgumentError(
-            f"seq_lens must be [num_seqs={num_seqs}], got shape {tuple(seq_lens.shape)}"
-        )
+        raise InvalidArgumentError(f"seq_lens must be [num_seqs={num_seqs}], got {tuple(seq_lens.shape)}")
     return num_seqs
 
 
 def _normalize(query, key_cache, value_cache, *indices) -> tuple[torch.Tensor, ...]:
-    """All contiguous (a strided cache is copied whole), the indices int32: int64 values are clamped, not
-    wrapped, so an id like 2**40 stays out of range for the in-kernel guard."""
+    """Contiguous, indices int32 (int64 clamped: an id like 2**40 stays out of range for the guard)."""
     ints = (t.clamp(-(2**31), 2**31 - 1).int() if t.dtype == torch.int64 else t.int() for t in indices)
     return tuple(t.contiguous() for t in (query, key_cache, value_cache, *ints))
 
@@ -195,15 +147,14 @@ def _normalize(query, key_cache, value_cache, *indices) -> tuple[torch.Tensor, .
 def validate_decode_args(
     query: torch.Tensor,  # (num_seqs, num_heads, head_size)
     key_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_size)
-    value_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_size)
+    value_cache: torch.Tensor,
     block_tables: torch.Tensor,  # (num_seqs, max_num_blocks_per_seq) int32/int64
     seq_lens: torch.Tensor,  # (num_seqs,) int32/int64
     scale: float | None = None,
     *,
     tables: bool = True,
 ) -> DecodeArgs:
-    """Check every decode input (a ValueError/TypeError naming it) and normalize it (`_normalize`), with
-    the scale resolved; the tables' values on the host (one sync for CUDA tensors) unless tables=False."""
+    """Check and normalize every decode input; the tables' values on the host unless tables=False."""
     scale = _check_query(query, key_cache, value_cache, scale, "num_seqs")
     _check_table_shapes(key_cache, block_tables, seq_lens, query.shape[0])
     tensors = _normalize(query, key_cache, value_cache, block_tables, seq_lens)
@@ -213,130 +164,66 @@ def validate_decode_args(
 
 def _with_host_lens(args: DecodeArgs, block_tables, seq_lens) -> DecodeArgs:
     """args after the host check of the caller's tables (int64 ones unclamped), with the true lengths."""
-    if args.query.shape[0] == 0:
-        return args._replace(max_seq_len=0)
-    bt, lens = _host_view(block_tables, seq_lens)
-    lens = _check_tables_host(bt, lens, args.key_cache.shape[0], args.key_cache.shape[1])
-    return args._replace(max_seq_len=int(lens.max()), min_seq_len=int(lens.min()))
+    lens = _check_tables_host(*_host_view(block_tables, seq_lens), *args.key_cache.shape[:2])
+    return args._replace(max_seq_len=int(lens.max(initial=0)), min_seq_len=int(lens.min(initial=0)))
 
 
-def validate_prefill_args(
-    query: torch.Tensor,  # (num_tokens, num_heads, head_size)
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # (num_seqs, max_num_blocks_per_seq)
-    seq_lens: torch.Tensor,  # (num_seqs,)
-    query_start_loc: torch.Tensor,  # (num_seqs + 1,)
-    scale: float | None = None,
-) -> PrefillArgs:
-    """`validate_decode_args` plus query_start_loc (0 .. num_tokens, 1 .. seq_len new tokens a sequence);
-    one device->host copy for all three index tensors."""
-    scale = _check_query(query, key_cache, value_cache, scale, "num_tokens")
-    num_seqs = _check_table_shapes(key_cache, block_tables, seq_lens, None)
-    _check_index_tensor("query_start_loc", query_start_loc, "[num_seqs + 1]", 1, key_cache.device)
-    if query_start_loc.shape != (num_seqs + 1,):
-        raise InvalidArgumentError(
-            f"query_start_loc must be [num_seqs + 1] = [{num_seqs + 1}] (num_seqs from block_tables), "
-            f"got shape {tuple(query_start_loc.shape)}"
-        )
-    bt, lens, starts = _host_view(block_tables, seq_lens, query_start_loc)
-    if num_seqs > 0:
-        lens = _check_tables_host(bt, lens, key_cache.shape[0], key_cache.shape[1])
-    lens, starts = lens.astype(np.int64), starts.astype(np.int64)
-    num_tokens = query.shape[0]
-    if starts[0] != 0 or starts[-1] != num_tokens:
-        raise InvalidArgumentError(
-            f"query_start_loc must start at 0 and end at num_tokens={num_tokens}, "
-            f"got {int(starts[0])} .. {int(starts[-1])}"
-        )
-    q_lens = np.diff(starts)  # (S,) new tokens of each sequence
-    bad = (q_lens < 1) | (q_lens > lens)
-    if bad.any():
-        i = int(bad.argmax())
-        raise InvalidArgumentError(
-            f"sequence {i} has {int(q_lens[i])} query tokens (query_start_loc[{i}:{i + 2}] = "
-            f"{starts[i : i + 2].tolist()}); expected 1 .. seq_lens[{i}] = {int(lens[i])}"
-        )
-    tensors = _normalize(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
-    longest, longest_query = (int(lens.max()), int(q_lens.max())) if num_seqs else (0, 0)
-    return PrefillArgs(*tensors, scale, longest, longest_query, lens, starts)
+def _gather_pages(args: DecodeArgs, lens: torch.Tensor, min_len: int, dtype: torch.dtype):
+    """Each sequence's first L = max_seq_len keys and values, (S, L, kvh, hs) copies in `dtype`; slots past
+    a length (from min_len up) read page 0 and are zeroed: they may hold NaN, and 0 * NaN is NaN."""
+    kc, L, block_size = args.key_cache, args.max_seq_len, args.key_cache.shape[1]
+    nb = cdiv(L, block_size)
+    pages = args.block_tables[:, :nb].long()  # (S, nb)
+    if min_len < L:
+        used = torch.arange(nb, device=kc.device) * block_size < lens[:, None]  # (S, nb)
+        pages = torch.where(used, pages, 0)
+    k = kc[pages].flatten(1, 2)[:, :L].to(dtype)  # (S, nb, bs, kvh, hs) -> (S, L, kvh, hs)
+    v = args.value_cache[pages].flatten(1, 2)[:, :L].to(dtype)
+    if min_len < L:
+        tail = (torch.arange(min_len, L, device=kc.device) >= lens[:, None])[:, :, None, None]
+        k[:, min_len:].masked_fill_(tail, 0)
+        v[:, min_len:].masked_fill_(tail, 0)
+    return k, v
+
+
+def _sdpa_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float) -> torch.Tensor:
+    """SDPA of q (S, N, nh, hs) over k, v (S, L, kvh, hs): a KV head's G query heads as G x N rows."""
+    (S, N, num_heads, head_size), kvh = q.shape, k.shape[2]
+    G = num_heads // kvh
+    qg = q.view(S, N, kvh, G, head_size).permute(0, 2, 3, 1, 4).reshape(S, kvh, G * N, head_size)
+    if mask is not None:
+        mask = mask[:, None, None].expand(S, 1, G, N, -1).reshape(S, 1, G * N, -1)
+    k, v = k.transpose(1, 2), v.transpose(1, 2)  # (S, kvh, L, hs) strided views; SDPA takes them as is
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)  # (S, kvh, G*N, hs)
+    return out.view(S, kvh, G, N, head_size).permute(0, 3, 1, 2, 4).reshape(S, N, num_heads, head_size)
 
 
 def _decode_torch(args: DecodeArgs) -> torch.Tensor:
-    """Naive paged decode: gather every sequence's pages (padded to the longest), then SDPA. Positions
-    from args.min_seq_len (known on the host after its check, else 0) up need masking."""
-    q, kc, vc, min_seq_len = args.query, args.key_cache, args.value_cache, args.min_seq_len
-    (num_seqs, num_heads, head_size), (_, block_size, num_kv_heads, _) = q.shape, kc.shape
-    group, L = num_heads // num_kv_heads, args.max_seq_len  # query heads per kv head, longest sequence
-    nb, ragged = cdiv(L, block_size), min_seq_len < L  # blocks of the longest; shorter tails to mask
-    lens = args.seq_lens[:, None]  # (S, 1)
-    pages = args.block_tables[:, :nb].long()  # (S, nb)
-    if ragged:  # a shorter sequence's padding entries may hold anything: read page 0 instead (zeroed below)
-        used = torch.arange(nb, device=q.device)[None, :] * block_size < lens  # (S, nb)
-        pages = torch.where(used, pages, 0)
-    k = kc[pages].flatten(1, 2)[:, :L]  # (S, nb, bs, kvh, hs) -> (S, L, kvh, hs), a view
-    v = vc[pages].flatten(1, 2)[:, :L]
-    mask = None
-    if ragged:  # slots past a seq_len may hold NaN or inf: a mask is not enough (0 * NaN), zero them too
-        valid = torch.arange(L, device=q.device)[None, :] < lens  # (S, L)
-        tail = ~valid[:, min_seq_len:, None, None]  # (S, L - min_seq_len, 1, 1)
-        k[:, min_seq_len:].masked_fill_(tail, 0)
-        v[:, min_seq_len:].masked_fill_(tail, 0)
-        mask = valid[:, None, None, :]  # (S, 1, 1, L): True = attend; broadcast over heads and queries
-    # GQA/MQA: a kv head's G query heads become G query rows of it (each kv head read once; MHA: G = 1)
-    qg = q.view(num_seqs, num_kv_heads, group, head_size)  # (S, kvh, G, hs)
-    k, v = k.transpose(1, 2), v.transpose(1, 2)  # (S, kvh, L, hs) strided views; SDPA takes them as is
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=args.scale)  # (S, kvh, G, hs)
-    return out.reshape(num_seqs, num_heads, head_size)
+    """Naive paged decode: each sequence's query sits at its context's last position."""
+    lens, L = args.seq_lens, args.max_seq_len
+    k, v = _gather_pages(args, lens, args.min_seq_len, args.query.dtype)
+    ragged = args.min_seq_len < L  # else every position is valid: no mask
+    mask = (torch.arange(L, device=lens.device) < lens[:, None])[:, None] if ragged else None  # (S, 1, L)
+    return _sdpa_paged(args.query[:, None], k, v, mask, args.scale)[:, 0]
 
 
-def _prefill_torch(args: PrefillArgs) -> torch.Tensor:
-    """Paged prefill for the whole batch in one SDPA, no loop over sequences: every sequence's pages
-    gathered into (S, L, kvh, hs), the new tokens laid out on a padded (S, N) grid, a mask that is causal
-    (query row j of sequence s sits at position lens[s] - n_s + j: chunks that start mid-sequence work)
-    and cuts each sequence at its length. The indices come from validation's host copies (no sync)."""
-    q, kc, vc, lens, starts = args.query, args.key_cache, args.value_cache, args.lens_host, args.starts_host
-    (num_tokens, num_heads, head_size), (_, block_size, num_kv_heads, _) = q.shape, kc.shape
-    group, S, L, N, device = (
-        num_heads // num_kv_heads,
-        len(lens),
-        args.max_seq_len,
-        args.max_query_len,
-        q.device,
-    )
+def _prefill_torch(args: DecodeArgs, lens: np.ndarray, starts: np.ndarray) -> torch.Tensor:
+    """The whole prefill in one SDPA: new tokens on a padded (S, N) grid, row j of sequence s at position
+    lens[s] - n_s + j (chunks start mid-sequence), a causal mask; lens, starts: host copies."""
+    q, S, device, heads = args.query, len(lens), args.query.device, args.query.shape[1:]
     q_lens = np.diff(starts)  # (S,) new tokens of each sequence
-    # where each new token sits on the (S, N) grid, and where each grid row sits in the sequence
-    rows = np.repeat(np.arange(S) * N - starts[:-1], q_lens) + np.arange(num_tokens)  # (T,)
-    q_pos = (lens - q_lens)[:, None] + np.arange(N)[None, :]  # (S, N); rows past n_s: padding
+    N = int(q_lens.max())
+    rows = np.repeat(np.arange(S) * N - starts[:-1], q_lens) + np.arange(q.shape[0])  # (T,) grid row of each
+    q_pos = (lens - q_lens)[:, None] + np.arange(N)  # (S, N) position of a grid row; past n_s: padding
     rows, q_pos, lens_d = (torch.from_numpy(x).to(device) for x in (rows, q_pos, lens))
-    nb = cdiv(L, block_size)
-    pages = args.block_tables[:, :nb].long()  # (S, nb)
-    used = torch.arange(nb, device=device)[None, :] * block_size < lens_d[:, None]  # (S, nb)
-    pages = torch.where(used, pages, 0)  # padding entries may hold anything: read page 0 (zeroed below)
     # float32 math for half types on the CPU (float64 stays); CUDA SDPA accumulates in float32 itself
     acc = q.dtype if device.type == "cuda" or q.dtype == torch.float64 else torch.float32
-    k = kc[pages].flatten(1, 2)[:, :L].to(acc)  # (S, nb, bs, kvh, hs) -> (S, L, kvh, hs), a fresh copy
-    v = vc[pages].flatten(1, 2)[:, :L].to(acc)
-    positions = torch.arange(L, device=device)
-    valid = positions[None, :] < lens_d[:, None]  # (S, L)
-    if int(lens.min()) < L:  # stale slots past a length may hold NaN: a mask is not enough (0 * NaN)
-        k.masked_fill_(~valid[:, :, None, None], 0)
-        v.masked_fill_(~valid[:, :, None, None], 0)
-    allowed = positions[None, None, :] <= q_pos[:, :, None]  # (S, N, L); position 0 always: no empty row
-    grid = q.new_zeros(S * N, num_heads, head_size, dtype=acc)
+    k, v = _gather_pages(args, lens_d, args.min_seq_len, acc)
+    mask = torch.arange(args.max_seq_len, device=device) <= q_pos[:, :, None]  # (S, N, L); never an empty row
+    grid = q.new_zeros(S * N, *heads, dtype=acc)
     grid[rows] = q.to(acc)  # (S*N, nh, hs): the new tokens, padded per sequence to N rows
-    # GQA: the G query heads of a kv head become G x N query rows of that head (each kv head read once)
-    qg = grid.view(S, N, num_kv_heads, group, head_size).permute(0, 2, 3, 1, 4)  # (S, kvh, G, N, hs)
-    qg = qg.reshape(S, num_kv_heads, group * N, head_size)
-    mask = allowed[:, None, None].expand(S, 1, group, N, L).reshape(S, 1, group * N, L)
-    out = F.scaled_dot_product_attention(
-        qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=args.scale
-    )  # (S, kvh, G*N, hs)
-    out = out.view(S, num_kv_heads, group, N, head_size).permute(0, 3, 1, 2, 4)  # (S, N, kvh, G, hs)
-    return out.reshape(S * N, num_heads, head_size)[rows].to(q.dtype)  # (T, nh, hs)
-
-
-# ----------------------------------------------------------------------------- dispatch
+    out = _sdpa_paged(grid.view(S, N, *heads), k, v, mask, args.scale)
+    return out.reshape(S * N, *heads)[rows].to(q.dtype)  # (T, nh, hs)
 
 
 @functools.cache
@@ -370,18 +257,15 @@ def guarded_by_default(
     dtype: torch.dtype,
     kernel_version: int | str | KernelVersion | None = None,
 ) -> bool:
-    """Who checks the block tables when validate is None (the one place that decides): True for the
-    in-kernel guard (backend "cupy", a guarded kernel), False for the host. A caller running many layers
-    over the same tables asks once: True, then check_kernel_errors() once per step; False, then
-    check_block_tables() once and validate=False."""
+    """Who checks the tables when validate is None (decided here only): True, the in-kernel guard."""
     backend = resolve_backend(backend, device, dtype)
     return backend == "cupy" and resolve_kernel_version(kernel_version, dtype).guard
 
 
-def _table_check_mode(validate, backend: str, version: KernelVersion | None, query: torch.Tensor) -> str:
-    """validate= (None, True, False or a VALIDATE_MODES name) -> "host", "guard" or "trust"."""
+def _table_check_mode(validate, backend: str, version: KernelVersion | None) -> str:
+    """validate= -> "host", "guard" or "trust" (None: as `guarded_by_default`)."""
     if validate is None:
-        return "guard" if guarded_by_default(backend, query.device, query.dtype, version) else "host"
+        return "guard" if backend == "cupy" and version.guard else "host"
     if validate is True or validate is False:
         return "host" if validate else "trust"
     if validate not in VALIDATE_MODES:
@@ -396,8 +280,7 @@ def _table_check_mode(validate, backend: str, version: KernelVersion | None, que
     return validate
 
 
-# a call's signature -> what its checks decided: (backend, version, scale, the guard's record or None
-# for "trust", {max_seq_len: cuda_kernels.PreparedCall}); the fast path of paged_attention
+# the fast path: call signature -> (backend, version, scale, guard record or None, {max_seq_len: plan})
 _CALLS: dict[tuple, tuple] = {}
 MAX_CACHED_CALLS = 256
 
@@ -415,18 +298,13 @@ def paged_attention(
     kernel_version: int | str | None = None,
     max_seq_len: int | None = None,
 ) -> torch.Tensor:  # (num_seqs, num_heads, head_size), query's dtype
-    """Decode attention through block tables: each sequence's one query token attends to its seq_lens[s]
-    cached tokens; backend, validate, kernel_version: the module doc. max_seq_len: max(seq_lens) as the
-    caller knows it on the host (an upper bound will do; None: the tables' width), the kernels' context
-    splits are cut from it (trusted unless validate checks on the host). The checks that need no device
-    data run once per call signature (shapes, dtypes, devices, backend, validate, kernel_version, scale):
-    a later call of it with contiguous tensors goes straight to the planned launch, at kernel cost."""
+    """Decode attention, each sequence's one query over its seq_lens[s] cached tokens (module doc).
+    max_seq_len: max(seq_lens) as the host knows it (None: the tables' width), the kernels' splits come from
+    it. The device-free checks run once per call signature; later calls go straight to the planned launch."""
     tensors = (query, key_cache, value_cache, block_tables, seq_lens)
     try:
-        key = (query.shape, query.dtype, query.device, key_cache.shape, key_cache.dtype, key_cache.device,
-               value_cache.shape, value_cache.dtype, value_cache.device, block_tables.shape,
-               block_tables.dtype, block_tables.device, seq_lens.shape, seq_lens.dtype, seq_lens.device,
-               scale, backend, validate, kernel_version)  # fmt: skip
+        key = (*[x for t in tensors for x in (t.shape, t.dtype, t.device)], scale, backend, validate,
+               kernel_version)  # fmt: skip
         known = _CALLS.get(key) if scale is None or type(scale) is float else None
     except (AttributeError, TypeError):  # not tensors, or an unhashable argument: the checks will say
         key = known = None
@@ -434,9 +312,9 @@ def paged_attention(
     if fast and all(map(torch.Tensor.is_contiguous, tensors)):
         backend, version, scale, error, calls = known
         if (call := calls.get(max_seq_len)) is None:
-            shapes = (query.shape, key_cache.shape, block_tables.shape[1], None, max_seq_len)
+            where = (version, backend, query.device, query.dtype, query.shape, key_cache.shape)
             call = calls[max_seq_len] = cuda_kernels.plan_call(
-                version, backend, query.device, query.dtype, *shapes
+                *where, block_tables.shape[1], None, max_seq_len
             )
         return call.run(tensors, torch.empty_like(query), error, scale)
     return _checked_paged_attention(tensors, scale, backend, validate, kernel_version, max_seq_len, key)
@@ -444,7 +322,6 @@ def paged_attention(
 
 def _checked_paged_attention(tensors, scale, backend, validate, kernel_version, max_seq_len, key):
     """paged_attention with every check; remembers a signature whose calls need none of them again."""
-    one_of(backend, "backend", BACKENDS)
     args = validate_decode_args(*tensors, scale, tables=False)
     backend = resolve_backend(backend, args.query.device, args.query.dtype)
     version = None
@@ -454,10 +331,9 @@ def _checked_paged_attention(tensors, scale, backend, validate, kernel_version, 
         )
     elif kernel_version is not None:
         raise InvalidArgumentError(
-            f"kernel_version applies to backends 'cupy' and 'emulator', not {backend!r}; "
-            f"got {kernel_version!r}"
+            f"kernel_version applies to backends 'cupy', 'emulator', not {backend!r}; got {kernel_version!r}"
         )
-    mode = _table_check_mode(validate, backend, version, args.query)
+    mode = _table_check_mode(validate, backend, version)
     if args.query.shape[0] == 0:
         return torch.empty_like(args.query)
     if mode == "host":
@@ -482,28 +358,47 @@ def _checked_paged_attention(tensors, scale, backend, validate, kernel_version, 
 def paged_prefill_attention(
     query: torch.Tensor,  # (num_tokens, num_heads, head_size)
     key_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_size)
-    value_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_size)
-    block_tables: torch.Tensor,  # (num_seqs, max_num_blocks_per_seq) int32
-    seq_lens: torch.Tensor,  # (num_seqs,) int32, context length including the new tokens
-    query_start_loc: torch.Tensor,  # (num_seqs + 1,) int32
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # (num_seqs, max_num_blocks_per_seq) int32/int64
+    seq_lens: torch.Tensor,  # (num_seqs,): context lengths, the new tokens included
+    query_start_loc: torch.Tensor,  # (num_seqs + 1,): cumulative new tokens
     scale: float | None = None,
     *,
     backend: str = "auto",
 ) -> torch.Tensor:  # (num_tokens, num_heads, head_size)
-    """Causal attention of each sequence's new tokens (its last, already cached) over its whole context:
-    whole prompts and chunks that start mid-sequence. Only "torch"."""
+    """Causal attention of each sequence's new tokens (its last, already cached) over its context."""
     one_of(backend, "backend", BACKENDS)
     if backend not in ("auto", "torch"):
         raise InvalidArgumentError(
             f"paged_prefill_attention supports backend 'torch' (or 'auto'), got {backend!r}; "
             "the CUDA kernels implement decode only"
         )
-    args = validate_prefill_args(
-        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale
-    )
-    if args.query.shape[0] == 0:
-        return torch.empty_like(args.query)
-    return _prefill_torch(args)
+    scale = _check_query(query, key_cache, value_cache, scale, "num_tokens")
+    num_seqs = _check_table_shapes(key_cache, block_tables, seq_lens, None)
+    _check_index_tensor("query_start_loc", query_start_loc, "[num_seqs + 1]", 1, key_cache.device)
+    if query_start_loc.shape != (num_seqs + 1,):
+        raise InvalidArgumentError(
+            f"query_start_loc must be [num_seqs + 1] = [{num_seqs + 1}] (num_seqs from block_tables), "
+            f"got shape {tuple(query_start_loc.shape)}"
+        )
+    bt, lens, starts = _host_view(block_tables, seq_lens, query_start_loc)
+    lens, starts = _check_tables_host(bt, lens, *key_cache.shape[:2]), starts.astype(np.int64)
+    if starts[0] != 0 or starts[-1] != query.shape[0]:
+        raise InvalidArgumentError(
+            f"query_start_loc must start at 0 and end at num_tokens={query.shape[0]}, "
+            f"got {int(starts[0])} .. {int(starts[-1])}"
+        )
+    q_lens = np.diff(starts)  # (S,) new tokens of each sequence
+    if (bad := (q_lens < 1) | (q_lens > lens)).any():
+        i = int(bad.argmax())
+        raise InvalidArgumentError(
+            f"sequence {i} has {int(q_lens[i])} query tokens (query_start_loc[{i}:{i + 2}] = "
+            f"{starts[i : i + 2].tolist()}); expected 1 .. seq_lens[{i}] = {int(lens[i])}"
+        )
+    if query.shape[0] == 0:
+        return torch.empty_like(query)
+    tensors = _normalize(query, key_cache, value_cache, block_tables, seq_lens)
+    return _prefill_torch(DecodeArgs(*tensors, scale, int(lens.max()), int(lens.min())), lens, starts)
 
 
 def to_device(t: torch.Tensor, device) -> torch.Tensor:
@@ -514,15 +409,10 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
     return t.to(device)
 
 
-# -----------------------------------------------------------------------------
-# attention metadata: how the flat batch of tokens maps onto sequences and pages
-
-
 @dataclasses.dataclass
 class AttentionMetadata:
     """Where this step's tokens go in the cache and what each sequence reads: prefills first, then decodes
-    (one new token each); sequence i's new tokens, input_ids[query_start_loc[i]:query_start_loc[i+1]], are
-    its last ones (after this step it holds seq_lens[i] tokens in the cache)."""
+    (one token each); sequence i's new tokens, query_start_loc[i]:query_start_loc[i+1], are its last."""
 
     slot_mapping: torch.Tensor  # (num_tokens,) int64: cache slot of each new token
     block_tables: torch.Tensor  # (num_seqs, max_num_blocks_per_seq) int32, padded with -1
@@ -539,8 +429,7 @@ class AttentionMetadata:
         self.last_token_indices = self.query_start_loc[1:].to(torch.int64) - 1
 
     def check_on_host(self, num_blocks: int, block_size: int, *, tables: bool = True) -> None:
-        """Check slot_mapping (and, with tables, the decode rows' tables) while still on the host, so the
-        GPU forward needs no sync for it (the engine: on the CPU metadata it builds, then `to(device)`)."""
+        """Check slot_mapping (and the decode tables) on the host, so the GPU forward needs no sync for it."""
         check_slot_mapping(self.slot_mapping, num_blocks * block_size, allow_padding=False)
         if tables and self.num_decodes:
             n = self.num_prefills
@@ -578,12 +467,10 @@ class AttentionMetadata:
             )
         if any(q != 1 for q in query_lens[num_prefills:]):
             raise InvalidArgumentError(
-                f"decode sequences take exactly one new token, got query_lens {query_lens[num_prefills:]}"
+                f"decode sequences take one new token each, got query_lens {query_lens[num_prefills:]}"
             )
         if any(not 1 <= q <= s for q, s in zip(query_lens, seq_lens, strict=True)):
-            raise InvalidArgumentError(
-                f"each query_len must be in [1, seq_len], got {query_lens} for {seq_lens}"
-            )
+            raise InvalidArgumentError(f"query_lens must be in [1, seq_len], got {query_lens} for {seq_lens}")
         if sum(query_lens) != len(slot_mapping):
             raise InvalidArgumentError(
                 f"slot_mapping has {len(slot_mapping)} slots for {sum(query_lens)} new tokens"

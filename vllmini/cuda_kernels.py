@@ -1,9 +1,6 @@
-"""The CUDA kernels of kernels/paged_attention_<n>_<what it adds>.cu (plain text; vllmini/kernels/ in a
-wheel): which exist (VERSIONS), how a call is shaped (launch_plan), how it is compiled and launched on
-torch tensors: "cupy" (NVRTC through cupy.RawModule once per device, cuLaunchKernel on torch's current
-stream) or "emulator" (vllmini.emulator: the same source on the CPU). compile_for_arch() needs no GPU: CI
-compiles every kernel with it. `paged_attention_kernel` checks its arguments and launches one version;
-vllmini.paged_attention checks its own and calls `launch_paged_attention` (plan_call, then run).
+"""The CUDA kernels of kernels/paged_attention_<n>_<what it adds>.cu: the registry (VERSIONS), the launch
+plan, and a launch on torch tensors through "cupy" (NVRTC, cuLaunchKernel on torch's current stream) or the
+"emulator" (the same source on the CPU). `paged_attention_kernel` is the checked public launch.
 """
 
 from __future__ import annotations
@@ -11,8 +8,10 @@ from __future__ import annotations
 import ctypes
 import functools
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import NamedTuple
 
 import numpy as np
@@ -48,11 +47,7 @@ MIN_SPLIT_TOKENS = 256  # no context piece shorter than this (the merge would co
 MERGE_THREADS = 128
 ERROR_FIELDS = 5  # the guard's record: flag, sequence, table entry (-1: seq_lens), value, limit
 
-_cupy_modules: dict[tuple, object] = {}  # (file, device, source, options) -> cupy.RawModule
 _error_buffers: dict[torch.device, torch.Tensor] = {}  # device -> int32 [ERROR_FIELDS], zero when clean
-
-
-# ----------------------------------------------------------------------------- the registry
 
 
 def kernel_dir() -> Path:
@@ -61,17 +56,13 @@ def kernel_dir() -> Path:
     for candidate in (here / "kernels", here.parent / "kernels"):
         if candidate.is_dir():
             return candidate
-    raise KernelSourceNotFoundError(
-        f"no kernels/ folder: looked in {here / 'kernels'} and {here.parent / 'kernels'}"
-    )
+    raise KernelSourceNotFoundError(f"no kernels/ folder in {here} or {here.parent}")
 
 
 def kernel_files(include_bugs: bool = True) -> list[Path]:
     """Every .cu file under kernel_dir(), sorted; the planted-bug kernels of kernels/bugs/ when asked."""
     files = sorted(kernel_dir().rglob("*.cu"))
-    if not include_bugs:
-        files = [f for f in files if "bugs" not in f.relative_to(kernel_dir()).parts]
-    return files
+    return [f for f in files if include_bugs or "bugs" not in f.relative_to(kernel_dir()).parts]
 
 
 def read_kernel_source(name: str) -> str:
@@ -79,9 +70,7 @@ def read_kernel_source(name: str) -> str:
     path = kernel_dir() / (name if name.endswith(".cu") else f"{name}.cu")
     if not path.is_file():
         known = [str(f.relative_to(kernel_dir()).with_suffix("")) for f in kernel_files()]
-        raise KernelSourceNotFoundError(
-            f"no kernel source {name!r} in {kernel_dir()}; expected one of {known}"
-        )
+        raise KernelSourceNotFoundError(f"no kernel source {name!r} in {kernel_dir()}; one of {known}")
     return path.read_text()
 
 
@@ -106,40 +95,25 @@ class KernelVersion:
         return self.file + DTYPE_SUFFIX[dtype]
 
 
-# every version the course has, in order; kernel_versions() keeps those whose file is present
-VERSIONS: tuple[KernelVersion, ...] = (
-    KernelVersion(
-        1, "plain", (torch.float32,), 128, False, "scores in shared memory, three passes (notebook 05)"
-    ),
-    KernelVersion(2, "warp_softmax", FLOAT_DTYPES, 256, False, "a warp per token, online softmax per warp"),
-    KernelVersion(3, "vector_loads", FLOAT_DTYPES, 256, False, "lanes own consecutive dims: 16-byte loads"),
-    KernelVersion(4, "half_warps", FLOAT_DTYPES, 256, False, "16-bit rows in half warps: 2 tokens a warp"),
-    KernelVersion(
-        5, "gqa_split", FLOAT_DTYPES, 128, True, "a block per KV head, split contexts, fewer shuffles, guard"
-    ),
-    KernelVersion(
-        6,
-        "tensor_cores",
-        (torch.float16, torch.bfloat16),
-        128,
-        True,
-        "a GQA group packed into an mma tile: QK^T and P.V on tensor cores",
-    ),  # fmt: skip
-)
+# every version the course has, in order: (number, name, dtypes, threads, guard, summary)
+VERSIONS: tuple[KernelVersion, ...] = tuple(KernelVersion(*row) for row in (
+    (1, "plain", (torch.float32,), 128, False, "scores in shared memory, three passes (notebook 05)"),
+    (2, "warp_softmax", FLOAT_DTYPES, 256, False, "a warp per token, online softmax per warp"),
+    (3, "vector_loads", FLOAT_DTYPES, 256, False, "lanes own consecutive dims: 16-byte loads"),
+    (4, "half_warps", FLOAT_DTYPES, 256, False, "16-bit rows in half warps: 2 tokens a warp"),
+    (5, "gqa_split", FLOAT_DTYPES, 128, True, "a block per KV head, split contexts, fewer shuffles, guard"),
+    (6, "tensor_cores", FLOAT_DTYPES[1:], 128, True, "a GQA group packed into an mma tile: QK^T and P.V on "
+     "tensor cores"),
+))  # fmt: skip
 
 
 @functools.cache
-def _present_versions() -> tuple[KernelVersion, ...]:
-    """The versions whose .cu file is present (a missing file: simply absent), looked up once (~100 us)."""
+def kernel_versions() -> Mapping[int, KernelVersion]:
+    """The versions whose .cu file is present (looked up once, ~100 us), by number; read-only."""
     try:
-        return tuple(v for v in VERSIONS if (kernel_dir() / f"{v.file}.cu").is_file())
+        return MappingProxyType({v.number: v for v in VERSIONS if (kernel_dir() / f"{v.file}.cu").is_file()})
     except KernelSourceNotFoundError:
-        return ()
-
-
-def kernel_versions() -> dict[int, KernelVersion]:
-    """The versions whose .cu file is present (when first asked), by number."""
-    return {v.number: v for v in _present_versions()}
+        return MappingProxyType({})
 
 
 def resolve_kernel_version(
@@ -150,40 +124,34 @@ def resolve_kernel_version(
     group: int = 1,
     tensor_cores: bool = True,
 ) -> KernelVersion:
-    """A KernelVersion from a number (4), a name ("half_warps"), a stem ("4_half_warps") or itself. None:
-    the auto rule, version 6 for float16/bfloat16, head size 64 or 128, a GQA group > 1 and tensor cores
-    (sm_80+; the emulator models them), version 5 otherwise (MHA, float32, other heads, older GPUs)."""
+    """A KernelVersion from a number, a name ("half_warps"), a stem ("4_half_warps") or itself. None: 6
+    for a 16-bit GQA group of head size 64 or 128 on tensor cores (sm_80+, or the emulator), else 5."""
     versions = kernel_versions()
-    if isinstance(version, KernelVersion):
-        chosen = version
-    elif version is None:
+    if version is None:
         six = versions.get(6)
         if six and dtype in six.dtypes and head_size in TENSOR_CORE_HEAD_SIZES and group > 1 and tensor_cores:
             return six
         usable = [v for n, v in versions.items() if n < 6 and (dtype is None or dtype in v.dtypes)]
         if not usable:
-            raise InvalidTypeError(
-                f"no paged-attention kernel takes {dtype}; kernels exist for {FLOAT_DTYPES}"
-            )
+            raise InvalidTypeError(f"no paged-attention kernel takes {dtype}, only {FLOAT_DTYPES}")
         return usable[-1]
-    elif isinstance(version, str):
+    if isinstance(version, str):
         found = [v for v in versions.values() if version in (v.name, f"{v.number}_{v.name}", v.file)]
         if not found:
             names = [f"{v.number}_{v.name}" for v in versions.values()]
             raise InvalidArgumentError(f"kernel_version {version!r} is not one of {names} (or their numbers)")
-        chosen = found[0]
-    else:
-        number = as_int(version, "kernel_version")
-        if number not in versions:
+        version = found[0]
+    elif not isinstance(version, KernelVersion):
+        if (number := as_int(version, "kernel_version")) not in versions:
             raise InvalidArgumentError(
                 f"kernel_version must be one of {sorted(versions)} (the kernels/ files present), got {number}"
             )
-        chosen = versions[number]
-    if dtype is not None and dtype not in chosen.dtypes:
+        version = versions[number]
+    if dtype is not None and dtype not in version.dtypes:
         raise InvalidTypeError(
-            f"kernel version {chosen.number} ({chosen.name}) supports {list(chosen.dtypes)}, got {dtype}"
+            f"kernel version {version.number} ({version.name}) supports {list(version.dtypes)}, got {dtype}"
         )
-    return chosen
+    return version
 
 
 @functools.cache
@@ -224,23 +192,15 @@ def launch_plan(
     num_splits: int | None = None,
     max_seq_len: int | None = None,
 ) -> LaunchPlan:
-    """The launch of `version` for these sizes on a GPU with `sms` multiprocessors (cached). Versions 1-4:
-    a block per (sequence, query head); 5-6: per (sequence, heads_per_block query heads of a GQA group,
-    context piece). Version 5: heads_per_block the largest of 4, 2, 1 dividing the group (2 at most for
-    16-bit heads above 128), splits until SPLIT_TARGET_BLOCKS_PER_SM blocks per SM. Version 6: the group's
-    largest divisor up to 16 (the mma tile's rows); a grid within one wave of TENSOR_CORE_BLOCKS_PER_SM
-    per SM is split to fill it, a larger one into the 1-4 pieces whose last wave is fullest. No piece
-    under MIN_SPLIT_TOKENS; pieces cut from max_seq_len, the longest sequence as the host knows it
-    (None: the table's width); `num_splits` forces a count."""
-    chunks = cdiv(head_size, WARP_SIZE)  # 32-dim chunks of a head
+    """The launch of `version` on `sms` multiprocessors (cached; notebook 07 tells the rule): a block per
+    (sequence, query head) for 1-4, per (sequence, heads of a group, context piece) for 5-6."""
+    chunks, block = cdiv(head_size, WARP_SIZE), (version.threads, 1, 1)  # 32-dim chunks of a head
     if version.number < 5:
         if version.number == 1:
             shared_mem = (max_num_blocks_per_seq * block_size + version.threads) * 4  # scores + scratch
         else:
             shared_mem = (version.threads // 16) * (head_size + 2) * 4  # per lane group: max, sum, output
-        return LaunchPlan(
-            (num_seqs, num_heads, 1), (version.threads, 1, 1), shared_mem, 1, 1, max_num_blocks_per_seq, ()
-        )
+        return LaunchPlan((num_seqs, num_heads, 1), block, shared_mem, 1, 1, max_num_blocks_per_seq, ())
     group = num_heads // num_kv_heads
     longest = max_num_blocks_per_seq * block_size if max_seq_len is None else max_seq_len
     used = min(cdiv(longest, block_size), max_num_blocks_per_seq)  # the pages the pieces cover
@@ -265,13 +225,11 @@ def launch_plan(
     pages_per_split = cdiv(used, num_splits)
     num_splits = cdiv(used, pages_per_split)  # no empty piece at the end
     grid = (num_seqs, num_heads // heads_per_block, num_splits)
-    return LaunchPlan(
-        grid, (version.threads, 1, 1), shared_mem, heads_per_block, num_splits, pages_per_split, options
-    )
+    return LaunchPlan(grid, block, shared_mem, heads_per_block, num_splits, pages_per_split, options)
 
 
 def _num_splits(number: int, blocks: int, slots: int, longest: int) -> int:
-    """Context pieces for a grid of `blocks` on `slots` resident blocks (launch_plan's rule)."""
+    """Context pieces for `blocks` on `slots` resident blocks (version 6: one wave, or the fullest last)."""
     most = max(1, longest // MIN_SPLIT_TOKENS)
     if number == 5:
         return 1 if blocks >= slots else min(cdiv(slots, blocks), most)
@@ -282,60 +240,56 @@ def _num_splits(number: int, blocks: int, slots: int, longest: int) -> int:
 
 
 def _nvrtc():
-    """CuPy's low-level NVRTC binding; it loads libnvrtc (e.g. from nvidia-cuda-nvrtc-cu12) on first use."""
+    """CuPy's NVRTC binding, its library loaded (e.g. from nvidia-cuda-nvrtc-cu12); else KernelBuildError."""
     try:
         from cupy_backends.cuda.libs import nvrtc
     except ImportError as e:
-        raise KernelBuildError(
-            "compiling CUDA needs CuPy: pip install cupy-cuda12x nvidia-cuda-nvrtc-cu12"
-        ) from e
+        raise KernelBuildError("CUDA needs CuPy: pip install cupy-cuda12x nvidia-cuda-nvrtc-cu12") from e
+    try:
+        nvrtc.getVersion()
+    except Exception as e:  # CuPy raises several types when the shared library is missing
+        raise KernelBuildError(f"cannot load NVRTC ({e!r}); pip install nvidia-cuda-nvrtc-cu12") from e
     return nvrtc
 
 
 def nvrtc_version() -> tuple[int, int]:
-    """(major, minor) of the NVRTC library CuPy loads; KernelBuildError when none loads."""
-    try:
-        return tuple(_nvrtc().getVersion())
-    except Exception as e:  # CuPy raises several types when the shared library is missing
-        raise KernelBuildError(
-            f"cannot load NVRTC ({type(e).__name__}: {e}); pip install nvidia-cuda-nvrtc-cu12"
-        ) from e
+    """(major, minor) of the NVRTC library CuPy loads."""
+    return tuple(_nvrtc().getVersion())
 
 
-def compile_for_arch(
-    source: str, arch: str, *, name: str = "kernel.cu", options: tuple[str, ...] = ()
-) -> bytes:
-    """Compile CUDA source for one architecture with NVRTC, no GPU needed: "sm_XX" gives a cubin,
-    "compute_XX" PTX. KernelBuildError (a RuntimeError) with NVRTC's log on errors."""
+def compile_for_arch(source: str, arch: str, *, name: str = "kernel.cu", options: tuple = ()) -> bytes:
+    """NVRTC, no GPU needed: a cubin for "sm_XX", PTX for "compute_XX"; KernelBuildError with the log."""
     if not (arch.startswith("sm_") or arch.startswith("compute_")) or not arch.split("_", 1)[1].isdigit():
         raise InvalidArgumentError(f"arch must look like 'sm_80' or 'compute_80', got {arch!r}")
     nvrtc = _nvrtc()
-    nvrtc_version()  # a clear error when libnvrtc is missing
     prog = nvrtc.createProgram(source, name, [], [])
     try:
-        try:
-            nvrtc.compileProgram(prog, [f"--gpu-architecture={arch}", *NVRTC_OPTIONS, *options])
-        except Exception as e:
-            log = nvrtc.getProgramLog(prog)
-            raise KernelBuildError(f"NVRTC failed to compile {name} for {arch}:\n{log}") from e
+        nvrtc.compileProgram(prog, [f"--gpu-architecture={arch}", *NVRTC_OPTIONS, *options])
         return nvrtc.getCUBIN(prog) if arch.startswith("sm_") else nvrtc.getPTX(prog)
+    except Exception as e:
+        raise KernelBuildError(
+            f"NVRTC failed to compile {name} for {arch}:\n{nvrtc.getProgramLog(prog)}"
+        ) from e
     finally:
         nvrtc.destroyProgram(prog)
 
 
 @functools.cache
+def _cupy_module(file: str, device: int, source: str | None, options: tuple):
+    """cupy.RawModule of kernels/<file>.cu (or `source`: benchmarks comparing variants), once per device."""
+    import cupy
+
+    code = read_kernel_source(file) if source is None else source
+    return cupy.RawModule(code=code, options=(*NVRTC_OPTIONS, *options))  # compiled on first get_function
+
+
+@functools.cache
 def _cupy_kernel(file: str, function: str, device: int, source: str | None = None, options: tuple = ()):
-    """cupy.RawKernel for kernels/<file>.cu::function on a device, compiled once per device and set of
-    extra NVRTC options. `source` replaces the file's text (benchmarks comparing variants)."""
+    """cupy.RawKernel for kernels/<file>.cu::function on a device, compiled once per set of options."""
     import cupy
 
     with cupy.cuda.Device(device):
-        if (file, device, source, options) not in _cupy_modules:
-            code = read_kernel_source(file) if source is None else source
-            _cupy_modules[file, device, source, options] = cupy.RawModule(
-                code=code, options=(*NVRTC_OPTIONS, *options)
-            )
-        return _cupy_modules[file, device, source, options].get_function(function)
+        return _cupy_module(file, device, source, options).get_function(function)
 
 
 @functools.cache
@@ -362,11 +316,8 @@ def paged_attention_kernel(
     source: str | None = None,
     max_seq_len: int | None = None,
 ) -> torch.Tensor:
-    """Launch one kernel version (None: the auto rule) on contiguous inputs, sync-free; fills and returns
-    out. Checks first what no kernel survives (runtime and devices, dtypes, layout, a guard record for a
-    version without a guard). `error` turns on the in-kernel guard (bad page ids never read, their rows
-    NaN, the first recorded: check_kernel_errors). `num_splits` forces the split (tests), `max_seq_len`:
-    launch_plan; `source` (cupy) launches another text with the same arguments (benchmarks)."""
+    """Check what no kernel survives, launch one version (None: the auto rule) sync-free, fill out. `error`:
+    the in-kernel guard's record; `num_splits` forces a split (tests); `source`: another text (benchmarks)."""
     one_of(runtime, "runtime", RUNTIMES)
     tensors = (query, key_cache, value_cache, block_tables, seq_lens, out)
     names = ("query", "key_cache", "value_cache", "block_tables", "seq_lens", "out")
@@ -387,13 +338,13 @@ def paged_attention_kernel(
         raise InvalidArgumentError(
             f"out must be {query.dtype} {tuple(query.shape)}, got {out.dtype} {tuple(out.shape)}"
         )
+    check_head_layout(query.shape[1], key_cache.shape[2])
     kernel = resolve_call_version(version, query, key_cache.shape[2], runtime)
     if error is not None and not kernel.guard:
-        raise InvalidArgumentError(
-            f"kernel version {kernel.number} ({kernel.name}) has no in-kernel guard; pass error=None"
-        )
-    inputs = (query, key_cache, value_cache, block_tables, seq_lens)
-    return launch_paged_attention(inputs, scale, out, runtime, kernel, error, num_splits, source, max_seq_len)
+        raise InvalidArgumentError(f"kernel version {kernel.number} has no in-kernel guard; pass error=None")
+    return launch_paged_attention(
+        tensors[:5], scale, out, runtime, kernel, error, num_splits, source, max_seq_len
+    )
 
 
 def check_head_layout(num_heads: int, num_kv_heads: int) -> None:
@@ -405,9 +356,8 @@ def check_head_layout(num_heads: int, num_kv_heads: int) -> None:
 
 
 def resolve_call_version(version, query: torch.Tensor, num_kv_heads: int, runtime: str) -> KernelVersion:
-    """resolve_kernel_version for a call on `query`: its dtype, head size, GQA group, GPU."""
-    num_heads, head_size = query.shape[1], query.shape[2]
-    check_head_layout(num_heads, num_kv_heads)
+    """resolve_kernel_version for a call on `query` (head layout checked): dtype, head size, group, GPU."""
+    _, num_heads, head_size = query.shape
     cores, group = runtime == "emulator" or has_tensor_cores(query.device.index), num_heads // num_kv_heads
     return resolve_kernel_version(version, query.dtype, head_size=head_size, group=group, tensor_cores=cores)
 
@@ -423,15 +373,17 @@ def launch_paged_attention(
     source: str | None = None,
     max_seq_len: int | None = None,
 ) -> torch.Tensor:
-    """`paged_attention_kernel` after its checks, for a caller that made the same ones
-    (vllmini.paged_attention): `plan_call` (once per shape), then its `run`."""
+    """`paged_attention_kernel` after its checks (vllmini.paged_attention makes its own): plan_call, run."""
     query, key_cache, _, block_tables, _ = inputs
     shapes = (query.shape, key_cache.shape, block_tables.shape[1])
     call = plan_call(kernel, runtime, query.device, query.dtype, *shapes, num_splits, max_seq_len, source)
     return out if call is None else call.run(inputs, out, error, scale)
 
 
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # torch's current stream, as an int
+# torch's current stream of a device, as an int
+_raw_stream = getattr(
+    torch._C, "_cuda_getCurrentRawStream", lambda i: torch.cuda.current_stream(i).cuda_stream
+)
 
 
 class PreparedCall(NamedTuple):
@@ -468,9 +420,7 @@ class PreparedCall(NamedTuple):
             if torch.cuda.current_device() != device.index:
                 with torch.cuda.device(device.index):  # the kernels belong to the device's context
                     return self.run(inputs, out, error, scale)
-            stream = (
-                _raw_stream(device.index) if _raw_stream else torch.cuda.current_stream(device).cuda_stream
-            )
+            stream = _raw_stream(device.index)
         self.main(plan.grid, plan.block, plan.shared_mem, stream, *values)
         if self.merge is not None:
             grid = (plan.grid[0], plan.grid[1] * plan.heads_per_block, 1)  # (sequence, query head)
@@ -485,22 +435,18 @@ class PreparedCall(NamedTuple):
 def plan_call(
     kernel, runtime, device, dtype, q_shape, kc_shape, width, num_splits=None, max_seq_len=None, source=None
 ) -> PreparedCall | None:
-    """The plan half of a call, for one shape (cached): the checks that depend on the launch alone (head
-    size, grid, tensor cores, shared memory, max_seq_len's range), the plan, the kernels and their int
-    arguments; None for an empty batch."""
+    """The plan half of a call, once per shape: its checks, plan, kernels, int arguments (None: no seqs)."""
     (num_seqs, num_heads, head_size), (num_blocks, block_size, num_kv_heads, _) = q_shape, kc_shape
     if kernel.number == 6 and head_size not in TENSOR_CORE_HEAD_SIZES:
         raise InvalidArgumentError(f"kernel version 6 supports head_size 64 or 128, got {head_size}")
     if kernel.number > 1 and head_size > MAX_HEAD_SIZE:
         raise InvalidArgumentError(
-            f"kernel version {kernel.number} supports head_size <= {MAX_HEAD_SIZE}, got {head_size}"
+            f"kernel version {kernel.number}: head_size <= {MAX_HEAD_SIZE}, got {head_size}"
         )
     if num_heads > MAX_GRID_YZ:
         raise InvalidArgumentError(f"num_heads must be <= {MAX_GRID_YZ} (gridDim.y), got {num_heads}")
     if runtime == "cupy" and kernel.number == 6 and not has_tensor_cores(device.index):
-        raise InvalidArgumentError(
-            f"kernel version 6 needs the tensor cores of sm_80 or newer; {device} has none"
-        )
+        raise InvalidArgumentError(f"kernel version 6 needs tensor cores (sm_80+); {device} has none")
     if max_seq_len is not None:
         max_seq_len = as_int(max_seq_len, "max_seq_len", min=1, max=width * block_size)
     if num_seqs == 0:
@@ -531,8 +477,7 @@ def plan_call(
 
 
 class _Packer:
-    """A cupy kernel and its cuLaunchKernel arguments: an 8-byte slot each (pointers, int32s, the scale),
-    packed per launch and copied by the driver: the buffer is free again on return (one thread at a time)."""
+    """A cupy kernel and its cuLaunchKernel arguments, an 8-byte slot each, packed per launch (one thread)."""
 
     def __init__(self, kernel, pointers: int, ints: int):
         from cupy_backends.cuda.api import driver
@@ -553,21 +498,15 @@ class _Packer:
 
 def _emulated(kernel, grid, block, shared_mem: int, stream: int, *values) -> None:
     """An emulator kernel behind _Packer's call: the same values (pointers as raw CPU addresses)."""
-    kernel(
-        grid, block, tuple(np.float32(v) if type(v) is float else v for v in values), shared_mem=shared_mem
-    )
-
-
-# ----------------------------------------------------------------------------- the in-kernel guard's record
+    values = tuple(np.float32(v) if type(v) is float else v for v in values)  # the scale, as _Packer packs it
+    kernel(grid, block, values, shared_mem=shared_mem)
 
 
 def _normalize_device(device: torch.device | str) -> torch.device:
     device = torch.device(device)
-    return (
-        torch.device("cuda", torch.cuda.current_device())
-        if device.type == "cuda" and device.index is None
-        else device
-    )
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def kernel_error_buffer(device: torch.device | str) -> torch.Tensor:
@@ -579,22 +518,16 @@ def kernel_error_buffer(device: torch.device | str) -> torch.Tensor:
 
 
 def check_kernel_errors(device: torch.device | str | None = None) -> None:
-    """Raise InvalidBlockTableError if a guarded kernel call (validate="guard", the default for CUDA
-    tensors) saw a bad block id or seq_len since the last check; clears the record. One device->host
-    copy (a sync) per device checked: call it once per step (the engine does), not per layer. `device`
-    None checks every device that has a record."""
+    """Raise (and clear) what a guarded kernel recorded since the last check; one sync: once per step."""
     for d in list(_error_buffers) if device is None else [_normalize_device(device)]:
         buf = _error_buffers.get(d)
         flag, seq, entry, value, limit = [0] * ERROR_FIELDS if buf is None else buf.tolist()
         if not flag:
             continue
         buf.zero_()
+        what = f"block_tables[{seq}, {entry}] = {value} is not a block id in [0, {limit})"
         if entry < 0:
-            raise InvalidBlockTableError(
-                f"seq_lens[{seq}] = {value} is out of range: expected 1 .. max_num_blocks_per_seq * "
-                f"block_size = {limit} (seen on {d} by the in-kernel guard; that sequence's output is NaN)"
-            )
+            what = f"seq_lens[{seq}] = {value} is out of range: expected 1 .. {limit} (the table's tokens)"
         raise InvalidBlockTableError(
-            f"block_tables[{seq}, {entry}] = {value} is not a block id in [0, {limit}) (seen on {d} by the "
-            f"in-kernel guard of a paged_attention call since the last check; that sequence's output is NaN)"
+            f"{what} (seen on {d} by the in-kernel guard since the last check; that sequence's output is NaN)"
         )

