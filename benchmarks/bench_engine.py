@@ -678,7 +678,7 @@ def main() -> None:
     if args.decode_table or args.launch_count:
         count, what = launch_count(model)
         print(f"launches per decode forward (batch 1, context 255): {count} {what}")
-        if not on_gpu:  # the rest of the decode table times GPU work
+        if not on_gpu or not args.decode_table:  # the rest of the decode table times GPU work
             return
     if args.profile_decode:
         for batch in args.profile_decode:
