@@ -81,7 +81,7 @@ from tqdm.auto import tqdm
 from vllmini.attention import AttentionMetadata
 from vllmini.course.memory import sample_requests
 from vllmini.engine import LLMEngine
-from vllmini.model import LlamaConfig, LlamaModel
+from vllmini.model import LlamaConfig, LlamaModel, MergedLinear
 from vllmini.outputs import sharing_summary
 from vllmini.sampling import SamplingParams
 
@@ -275,6 +275,12 @@ def hf_generate_tokens_per_s(model: LlamaModel, prompts: list[list[int]], new_to
     with torch.device(model.device):
         hf = transformers.LlamaForCausalLM(hf_cfg).to(model.dtype).eval()
     ours = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    for name, module in model.named_modules():  # fused projections back to Hugging Face's separate ones
+        if isinstance(module, MergedLinear):
+            del ours[f"{name}.weight"]
+            prefix = name.rpartition(".")[0]
+            parts = module.weight.split(list(module.parts.values()))
+            ours |= {f"{prefix}.{part}.weight": w for part, w in zip(module.parts, parts, strict=True)}
     res = hf.model.load_state_dict(ours, strict=False)
     assert not res.unexpected_keys and all("rotary" in k for k in res.missing_keys), res
     hf.lm_head.weight.data.copy_(model.lm_head.weight)
