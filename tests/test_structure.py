@@ -216,3 +216,16 @@ def test_the_readme_size_sentence_is_the_plain_count():
     assert abs(lines - sum(engine.values())) <= 100, (
         f"README says {lines}, the count is {sum(engine.values())}"
     )
+
+
+def test_the_engine_stays_within_its_size_budget():
+    """The engine at most 4,700 lines in at most 20 modules; what notebook 06 builds (the engine modules
+    its row of the README's course table names) at most 2,200 lines."""
+    engine = {p.stem: p for n, p in MODULES.items() if is_engine(n) and p.parent == PACKAGE}
+    total = sum(len(p.read_text().splitlines()) for p in engine.values())
+    assert len(engine) <= 20 and total <= 4700, f"{len(engine)} modules, {total} lines"
+    readme = (ROOT / "README.md").read_text()
+    (row,) = [line for line in readme.splitlines() if line.startswith("| [06_")]
+    named = set(re.findall(r"`vllmini/([a-z_]+)\.py`", row))
+    chapter = sum(len(engine[m].read_text().splitlines()) for m in named)
+    assert chapter <= 2200, f"notebook 06's modules {sorted(named)}: {chapter} lines"

@@ -1,11 +1,6 @@
-"""A Llama-family decoder whose attention reads and writes the paged KV cache (notebook 06).
-
-The usual Llama stack, in one file; what differs from a textbook decoder is the batch: one flat list of
-tokens from many sequences (`input_ids`, `positions` [num_tokens]), prefills first, then decodes, with an
-`AttentionMetadata` saying where each token's K/V goes and which pages each sequence reads. Weights load
-from a Hugging Face directory or an in-memory `transformers` model; nothing is downloaded, and a missing
-or damaged file is a CheckpointError that names it.
-"""
+"""A Llama-family decoder on the paged KV cache (notebook 06): one flat batch of tokens from many sequences,
+with `AttentionMetadata` saying where each token's K/V goes; weights from a Hugging Face directory or an
+in-memory `transformers` model (a missing or damaged file is a CheckpointError that names it)."""
 
 from __future__ import annotations
 
@@ -124,8 +119,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """norm(x); with `residual`: (norm(x + residual), x + residual), vLLM's fused_add_rms_norm (in
-        eager PyTorch still two kernels, the add and the norm, plus the weight's multiply)."""
+        """norm(x); with `residual`: (norm(x + residual), x + residual), as vLLM's fused_add_rms_norm."""
         if residual is not None:
             x = x + residual
         # upcasts to float32 inside and rounds once, as Llama does, in one kernel instead of seven
@@ -252,8 +246,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, residual, cos, sin, key_cache, value_cache, meta, backend, validate):
-        """(this layer's output, the residual stream before it is added): the add is left to the next
-        norm (vLLM's layout). residual None: the first layer, x is the embedding."""
+        """(output, residual before it is added: the next norm adds it); residual None: the first layer."""
         h, residual = (
             self.input_layernorm(x, residual) if residual is not None else (self.input_layernorm(x), x)
         )

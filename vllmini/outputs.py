@@ -1,6 +1,4 @@
-"""Between the user and the engine (notebook 06): prompts checked and tokenized (InputProcessor), outputs
-made from sequences (OutputProcessor: stop reasons, text, logprobs, streamed deltas), and what each step
-did (StepStats, summed by sharing_summary). vLLM's names."""
+"""Prompts in (InputProcessor), outputs out (OutputProcessor), what each step did (StepStats): notebook 06."""
 
 from __future__ import annotations
 
@@ -37,9 +35,8 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """A request's output: `outputs` holds all n samples, the flat fields are the first's. finish_reason:
-    "length", "stop", "abort" or "error" (its sampling failed: see `error`). finished is False while a
-    streaming request runs."""
+    """`outputs`: all n samples (the flat fields are the first's); finish_reason "length", "stop", "abort"
+    or "error" (see `error`); finished is False while a streaming request runs."""
 
     request_id: int
     prompt_token_ids: list[int]
