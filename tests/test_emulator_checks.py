@@ -216,10 +216,10 @@ def test_every_paged_attention_kernel_is_race_free(monkeypatch, dtype):
     case = make_decode_case(3, 3, 4, 2, 64, 8, (1, 17, 40), dtype=dtype)
     keys = ("query", "key_cache", "value_cache", "block_tables", "seq_lens")
     versions = cuda_kernels.kernel_versions()
-    assert sorted(versions) == [1, 2, 3, 4, 5]
-    for version in versions:
-        if dtype != torch.float32 and version == 1:
-            continue  # the plain kernel is float32 only
+    assert sorted(versions) == [1, 2, 3, 4, 5, 6]
+    for version, kernel in versions.items():
+        if dtype not in kernel.dtypes:
+            continue  # the plain kernel is float32 only; version 6 (tensor cores) 16-bit only
         out = vllmini.paged_attention(*(case[k] for k in keys), backend="emulator", kernel_version=version)
         assert_close(out, reference_decode(case), dtype)
     out = torch.empty_like(case["query"])  # kernel 5 splitting each context, with its log-sum-exp merge
