@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import statistics
 import sys
 from pathlib import Path
 
@@ -25,9 +24,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_attention import make_dataset, reference, rel_err  # noqa: E402
+from cuda_timing import median_us  # noqa: E402
 
 from vllmini import cuda_kernels  # noqa: E402
-from vllmini.attention import kernel_error_buffer  # noqa: E402
+from vllmini.cuda_kernels import kernel_error_buffer  # noqa: E402
 
 V6 = "paged_attention_6_tensor_cores"
 SUFFIX = {torch.float16: "_f16", torch.bfloat16: "_bf16"}
@@ -91,19 +91,10 @@ def v5_call(paged, scale: float):
 
 
 def time_us(fn, repeats: int, flush: torch.Tensor) -> float:
+    """Median GPU µs of fn() after two warm-up calls, L2 flushed before each (cuda_timing.median_us)."""
     for _ in range(2):
         fn()
-    torch.cuda.synchronize()
-    events = [
-        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)
-    ]
-    for start, end in events:
-        flush.zero_()  # evict L2: the timed call reads K/V from HBM
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in events)
+    return median_us(fn, repeats, flush)
 
 
 def main(argv=None) -> None:
