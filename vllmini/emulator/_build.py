@@ -259,6 +259,7 @@ def compile_flags(version: str, flags: list[str], *, checked: bool) -> list[list
         "-g1",
         "-gdwarf-4",
         "-fPIC",
+        "-fstack-clash-protection",  # a large frame touches its pages top down: it meets the guard page first
         "-fvisibility=hidden",
         "-fvisibility-inlines-hidden",
     ]
