@@ -342,6 +342,39 @@ def test_random_faults_at_every_commit_site(model, clean, seed):
     assert got == expected
 
 
+def test_a_failed_step_with_a_long_queue_restores_every_sequence(model):
+    """The snapshot of a step covers only the head of a long queue (what admission can reach): a step
+    that fails at the very end of its commit leaves every queued and running sequence as it was."""
+    engine = LLMEngine(model, block_size=4, num_blocks=24, watermark=0.0, max_num_seqs=3, seed=5)
+    g = torch.Generator().manual_seed(5)
+    for i in range(9):
+        prompt = torch.randint(3, 128, (3 + i,), generator=g).tolist()
+        engine.add_request(prompt, SamplingParams(n=1 + i % 2, temperature=0.9, max_tokens=4, ignore_eos=True))
+    sched, commit = engine.scheduler, engine._commit
+
+    def state():
+        seqs = [*sched.waiting, *sched.running]
+        return [s.seq_id for s in seqs], [(s.seq_id, s.snapshot()) for s in seqs]
+
+    def failing_commit(*args):
+        commit(*args)
+        raise InjectedFault("after the whole commit")
+
+    failed = 0
+    while engine.has_unfinished_requests():
+        before = state()
+        if len(sched.waiting) > sched.max_num_seqs:
+            engine._commit = failing_commit
+            with pytest.raises(InjectedFault):
+                engine.step()
+            del engine._commit
+            assert state() == before, "a failed step left a sequence changed"
+            failed += 1
+        engine.step()
+    assert failed >= 3
+    assert_pool_empty(engine)
+
+
 def _n3_request():
     g = torch.Generator().manual_seed(11)
     prompt = torch.randint(3, 128, (11,), generator=g).tolist()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from operator import attrgetter
 from dataclasses import dataclass, field
 
 import torch
@@ -79,11 +80,12 @@ class Sequence:
     STEP_FIELDS = (
         "status num_preemptions num_computed_tokens finish_reason error stop_reason text_end num_streamed"
     ).split()
+    _step_fields = attrgetter(*STEP_FIELDS)
 
     def snapshot(self) -> tuple:
         """What a step may change of this sequence, for `restore` (a failed step is undone)."""
         lengths = len(self.output_token_ids), len(self.output_logprobs), len(self.block_hashes)
-        return lengths, [getattr(self, name) for name in self.STEP_FIELDS]
+        return lengths, self._step_fields(self)
 
     def restore(self, state: tuple) -> None:
         (num_out, num_lp, num_hashes), values = state
