@@ -2,6 +2,8 @@
 (driven by clicking its buttons programmatically), and the notebooks' other figures. A picture must only
 read what it draws."""
 
+import html
+import os
 import re
 
 import matplotlib
@@ -823,6 +825,154 @@ def test_explorer_without_prefix_caching_frees_plainly():
     assert e.manager.prefix_cache is None and e.history[-1] == "freed seq 0"
     e.add_sequence(9, prefix_of=0)
     assert "hit" not in e.history[-1] and e.manager.allocator.ref_count(0) == 1
+
+
+# ---- the explorer with a tokenizer: each slot shows its token's text
+
+
+class WordTokenizer:
+    """A tiny tokenizer for the tests: one token per word, with the whitespace before it (" capital");
+    ids are given in order of first sight."""
+
+    def __init__(self):
+        self.vocab: dict[str, int] = {}
+
+    def encode(self, text: str) -> list[int]:
+        return [self.vocab.setdefault(w, len(self.vocab)) for w in re.findall(r"\s*\S+|\s+", text)]
+
+    def decode(self, ids) -> str:
+        words = {i: w for w, i in self.vocab.items()}
+        return "".join(words[i] for i in ids)
+
+
+def slot_labels(e, seq_id) -> list[str]:
+    """The labels in seq_id's logical slots, in order, read from the explorer's SVG (x within a row)."""
+    svg, labels = e.view.picture, []
+    for i in range(len(e.manager.block_table(seq_id).block_ids)):
+        frame = rf"<rect x='([\d.]+)' y='([\d.]+)' width='([\d.]+)'[^>]*data-gid='logical:{seq_id}:{i}'"
+        x, y, w = map(float, re.search(frame, svg).groups())
+        row = re.findall(rf"<text x='([\d.]+)' y='{y + 11:.1f}'[^>]*>([^<]*)</text>", svg)
+        labels += [
+            html.unescape(t) for tx, t in sorted(row, key=lambda r: float(r[0])) if x < float(tx) < x + w
+        ]
+    return labels[: e.manager.seq_len(seq_id)]
+
+
+FRANCE = ["The", "·capital", "·of", "·France", "·is"]
+
+
+def test_explorer_slots_show_the_text_of_tokens_added_from_text():
+    e = PageTableExplorer(num_blocks=16, block_size=4, tokenizer=WordTokenizer())
+    size = re.search(r"width='(\d+)' height='(\d+)'", e.view.picture).groups()
+    assert e.add_text("The capital of France is") == 0
+    assert e.history[-1] == "added seq 0 with 5 tokens → slots [0, 1, 2, 3, 4]"
+    assert slot_labels(e, 0) == FRANCE
+    e.click("append", tokens=2)  # made-up tokens, no text: their index
+    assert slot_labels(e, 0) == [*FRANCE, "5", "6"]
+    e.append_text(" Paris\n\tat\x07  internationalization", seq_id=0)  # whitespace shown, cut to fit
+    assert slot_labels(e, 0)[7:] == ["·Paris", "↵⇥at\\x07", "··inter…"]
+    e.add_sequence(3)  # an explorer with a tokenizer still adds made-up tokens
+    assert slot_labels(e, 1) == ["0", "1", "2"]
+    assert re.search(r"width='(\d+)' height='(\d+)'", e.view.picture).groups() == size  # never jumps
+    plain = PageTableExplorer(num_blocks=16, block_size=4)
+    plain.add_sequence(5)
+    assert slot_labels(plain, 0) == ["0", "1", "2", "3", "4"]  # without a tokenizer: indices, as before
+    assert int(re.search(r"width='(\d+)'", plain.view.picture).group(1)) < int(size[0])  # narrower blocks
+
+
+def test_explorer_text_with_a_cached_start_shares_blocks_as_prefix_of_does():
+    by_text = PageTableExplorer(num_blocks=16, block_size=4, tokenizer=WordTokenizer())
+    by_text.add_text("The capital of France is")
+    by_text.add_text("The capital of France is Paris . Yes")
+    by_hand = PageTableExplorer(num_blocks=16, block_size=4)
+    by_hand.add_sequence(5)
+    by_hand.add_sequence(8, prefix_of=0)
+    assert by_text.history == by_hand.history and full_state(by_text.manager) == full_state(by_hand.manager)
+    assert "the first 5 from seq 0; prefix cache hit: shares 1 block [0]" in by_text.history[-1]
+    assert slot_labels(by_text, 1) == [*FRANCE, "·Paris", "·.", "·Yes"]
+    by_text.free(0)
+    by_text.free(1)  # its full blocks 0 and 2 stay cached
+    by_text.add_text("The capital of France is Paris . Yes !")
+    assert by_text.manager.block_table(2).block_ids[:2] == [0, 2]
+    assert "the first 8 from seq 1; prefix cache hit: shares 2 blocks [0, 2]" in by_text.history[-1]
+    by_text.add_text("The capital of Italy is")  # 3 words alike fill no whole block: no hit
+    assert "the first 3 from seq 0; no prefix-cache hit: seq 0's first 3" in by_text.history[-1]
+    by_text.add_sequence(9)  # made-up tokens never match a text's
+    tables = by_text.manager.block_table
+    assert not set(tables(4).block_ids) & {b for s in (2, 3) for b in tables(s).block_ids}
+
+
+def test_explorer_forks_keep_their_token_text():
+    e = PageTableExplorer(num_blocks=16, block_size=4, tokenizer=WordTokenizer())
+    e.add_text("The capital of France is")
+    assert e.fork(0, num_samples=3) == 1
+    assert [slot_labels(e, s) for s in (0, 1, 2)] == [FRANCE] * 3
+    e.append_text(" Paris", seq_id=1)  # copy-on-write of the shared half-full block, text and all
+    e.click("step")
+    assert e.last_copies == [(1, 3)]  # seq 0 writes into the block it and seq 2 still share
+    assert [slot_labels(e, s) for s in (0, 1, 2)] == [
+        [*FRANCE, "5"], [*FRANCE, "·Paris", "6"], [*FRANCE, "5"]
+    ]  # fmt: skip
+    e.add_sequence(7, prefix_of=1)  # starting with another's tokens starts with their text too
+    assert slot_labels(e, 3) == [*FRANCE, "·Paris", "6"]
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda e: e.add_text(["The"]), InvalidTypeError, "text must be a str, got list ['The']"),
+        (lambda e: e.add_text(b"The"), InvalidTypeError, "text must be a str, got bytes"),
+        (lambda e: e.add_text(""), InvalidArgumentError, "text must have tokens: the tokenizer gave ids []"),
+        (lambda e: e.append_text(None, 0), InvalidTypeError, "text must be a str, got NoneType"),
+        (lambda e: PageTableExplorer().add_text("hi"), InvalidArgumentError, "add_text needs a tokenizer"),
+        (lambda e: PageTableExplorer(tokenizer=1), InvalidTypeError, "tokenizer must have encode(text)"),
+        (lambda e: PageTableExplorer(tokenizer=re), InvalidTypeError, "methods, got module"),  # no decode
+    ],
+)
+def test_explorer_refuses_bad_text_and_tokenizers_and_changes_nothing(call, error, message):
+    e = PageTableExplorer(num_blocks=4, block_size=4, tokenizer=WordTokenizer())
+    e.add_text("The capital of France is")
+
+    def seen():
+        return full_state(e.manager), e.history[:], e.view.picture, e.view.status, dict(e.playground.tokens)
+
+    before = seen()
+    with pytest.raises(error, match=re.escape(message)):
+        call(e)
+    assert seen() == before
+
+
+def test_explorer_text_that_does_not_fit_is_an_error_in_the_status_line():
+    e = PageTableExplorer(num_blocks=2, block_size=4, tokenizer=WordTokenizer())
+    e.add_text("The capital of France is")
+    assert e.add_text("a b c d e f g h i") is None and full_state(e.manager)[0] == [0]
+    assert e.last_error == "OutOfBlocksError: seq 1 with 9 tokens needs 3 new blocks, but 0 of 2 blocks free"
+
+
+@pytest.fixture(scope="module")
+def course_tokenizer():
+    """The course model's tokenizer, loaded as notebook 03 loads it (skips only where the model cannot
+    be fetched; under CI it fails instead)."""
+    from tokenizers import Tokenizer
+
+    from vllmini import models
+    from vllmini.errors import CheckpointError
+
+    try:
+        path = models.fetch("SmolLM2-135M-Instruct")
+    except CheckpointError as e:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must fetch the course model: {e}")
+        pytest.skip(f"the course model cannot be fetched here: {e}")
+    return Tokenizer.from_file(str(path / "tokenizer.json"))
+
+
+def test_explorer_shows_the_course_models_tokens(course_tokenizer):
+    e = PageTableExplorer(num_blocks=16, block_size=4, tokenizer=course_tokenizer)
+    e.add_text("The capital of France is")
+    assert e.playground.tokens[0] == [504, 3575, 282, 4649, 314] and slot_labels(e, 0) == FRANCE
+    e.add_text("The capital of France is Paris")
+    assert e.manager.block_table(1).block_ids[0] == 0 and slot_labels(e, 1) == [*FRANCE, "·Paris"]
 
 
 # ---- course pictures (notebooks 01, 04, 06)

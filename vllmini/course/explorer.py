@@ -3,8 +3,10 @@
 A learner adds sequences (new tokens, or starting with another sequence's tokens: a prefix-cache hit
 shares its full blocks), appends tokens (copy-on-write when the last block is shared), forks a sequence
 into n samples, frees one (its full blocks stay cached but free), runs a decode step, and watches the
-picture. The state and its messages live in `playground`; the widget, the message each click sends and
-the drawing thread in `explorer_widgets`; the picture in `explorer_picture`.
+picture. With a tokenizer, `add_text("The capital of France is")` adds a sequence of real tokens and
+each of its slots shows its token's text. The state and its messages live in `playground`; the widget,
+the message each click sends and the drawing thread in `explorer_widgets`; the picture in
+`explorer_picture`.
 """
 
 from __future__ import annotations
@@ -13,13 +15,13 @@ import functools
 import html
 from collections import deque
 
-from vllmini.checks import as_int, one_of
+from vllmini.checks import as_int, as_token_ids, one_of
 from vllmini.course.explorer_picture import Picture, draw_explorer_picture, page_of
 from vllmini.course.explorer_widgets import ACTIONS, NEW_TOKENS, BackgroundPainter, explorer_view, read_int
 from vllmini.course.playground import MAX_SAMPLES, PageTablePlayground, free_blocks_text
 from vllmini.course.snapshot import snapshot
 from vllmini.course.style import assign_colors, plural
-from vllmini.errors import InvalidArgumentError, VllminiError
+from vllmini.errors import InvalidArgumentError, InvalidTypeError, VllminiError
 
 FIELDS = ("tokens", "seq", "samples", "prefix")  # the boxes a click reads
 
@@ -46,6 +48,8 @@ class PageTableExplorer(BackgroundPainter):
     the browser does. In a kernel the picture is drawn on a worker thread (`background`); `wait()`
     blocks until it shows the current state. `prefix_caching=False` runs the pool without a prefix
     cache; `watermark_blocks` keeps that many blocks free for running sequences when adding new ones.
+    `tokenizer` (anything with `encode(text)` and `decode(ids)`, e.g. the course model's
+    `tokenizers.Tokenizer`) lets `add_text`/`append_text` add real tokens, whose slots show their text.
     """
 
     def __init__(
@@ -56,11 +60,19 @@ class PageTableExplorer(BackgroundPainter):
         background: bool | None = None,
         prefix_caching: bool = True,
         watermark_blocks: int = 0,
+        tokenizer=None,
     ):
         self.num_blocks = as_int(num_blocks, "num_blocks", min=1)
         self.block_size = as_int(block_size, "block_size", min=1)
         self.max_tokens = self.num_blocks * self.block_size
         self.prefix_caching, self.watermark_blocks = prefix_caching, watermark_blocks
+        methods = [callable(getattr(tokenizer, name, None)) for name in ("encode", "decode")]
+        if tokenizer is not None and not all(methods):
+            raise InvalidTypeError(
+                f"tokenizer must have encode(text) and decode(ids) methods, got {type(tokenizer).__name__}"
+            )
+        self.tokenizer = tokenizer
+        self.token_text: dict[int, str] = {}  # token id -> its text, for the ids the tokenizer gave
         self.playground = PageTablePlayground(
             self.num_blocks, self.block_size, prefix_caching, watermark_blocks
         )
@@ -194,6 +206,44 @@ class PageTableExplorer(BackgroundPainter):
             self._select(seq_id)
             return seq_id
         return None
+
+    @_locked
+    def add_text(self, text: str):
+        """Start a new sequence with the tokens of `text` (through the tokenizer); each slot shows its
+        token's text. A sequence that starts with the same tokens shares its cached full blocks, as
+        `add_sequence(prefix_of=...)` does. Returns its id, or None (an error in the status line)."""
+        token_ids = self._encode(text)
+        seq_id = self.next_seq_id
+        if self._try(lambda: self.playground.add_tokens(token_ids), [seq_id]):
+            self._select(seq_id)
+            return seq_id
+        return None
+
+    @_locked
+    def append_text(self, text: str, seq_id=None) -> None:
+        """Grow `seq_id` (default: the selected one) by the tokens of `text`, shown with their text."""
+        token_ids = self._encode(text)
+        seq_id = self._read("seq") if seq_id is None else seq_id
+        if not self._no_seq(seq_id):
+            self._try(lambda: self.playground.append(seq_id, len(token_ids), token_ids), [seq_id])
+
+    def _encode(self, text) -> list[int]:
+        """The token ids of `text`, each one's own text noted in `token_text` (the tokenizer's decode,
+        a cache: nothing shows it until the ids are added). Bad input is refused before any change."""
+        if self.tokenizer is None:
+            raise InvalidArgumentError("add_text needs a tokenizer: PageTableExplorer(..., tokenizer=...)")
+        if not isinstance(text, str):
+            raise InvalidTypeError(f"text must be a str, got {type(text).__name__} {text!r}")
+        encoded = self.tokenizer.encode(text)
+        encoded = getattr(encoded, "ids", encoded)  # a tokenizers.Encoding holds its ids in .ids
+        token_ids = as_token_ids(encoded, "tokenizer.encode(text)")
+        texts = [self.tokenizer.decode([t]) for t in token_ids]
+        if not token_ids or min(token_ids) < 0 or not all(isinstance(t, str) for t in texts):
+            raise InvalidArgumentError(
+                f"text must have tokens: the tokenizer gave ids {token_ids} and texts {texts} for {text!r}"
+            )
+        self.token_text.update(zip(token_ids, texts, strict=True))
+        return token_ids
 
     @_locked
     def append(self, seq_id=None, num_tokens: int | None = None) -> None:
@@ -384,7 +434,13 @@ class PageTableExplorer(BackgroundPainter):
         with self._lock:
             snap = snapshot(self.manager, None, None, self.last_copies)
             highlight = [dst for _, dst in self.last_copies]
-            self.last_picture = draw_explorer_picture(snap, self.colors, self.page, highlight, self.focus)
+            texts = None  # with a tokenizer: each live sequence's token texts (None: a made-up token)
+            if self.tokenizer is not None:
+                tokens = self.playground.tokens
+                texts = {s: [self.token_text.get(t) for t in tokens[s]] for s in self.manager.seq_ids}
+            self.last_picture = draw_explorer_picture(
+                snap, self.colors, self.page, highlight, self.focus, texts
+            )
             return self.last_picture.svg
 
     def picture(self):

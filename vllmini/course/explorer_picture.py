@@ -4,9 +4,10 @@ Top: the overview, one small cell per physical block of the whole pool, coloured
 window shown below is outlined). Below: the window, at most `WINDOW` physical blocks (one page of the
 pool) with their labels, the sequences that hold them (each logical block, an arrow to its physical
 block, or "→ id" when that block is on another page), then the free and cached lists and a legend with
-an entry for every mark. The size depends only on the pool (num_blocks, block_size), so the page never
-jumps; all text is at least `SMALL` px. Building the text takes milliseconds, where a matplotlib PNG
-took seconds (see benchmarks/bench_explorer.py).
+an entry for every mark. A logical slot shows its token's index, or with `token_text` (an explorer with a
+tokenizer) its token's text, in wider logical blocks. The size depends only on the pool (num_blocks,
+block_size) and on that choice, so the page never jumps; all text is at least `SMALL` px. Building the
+text takes milliseconds, where a matplotlib PNG took seconds (see benchmarks/bench_explorer.py).
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ MAX_STRIPES = 3  # a block shared by more sequences shows the first two and a gr
 SHARED_FRAME, PINNED, GREY = "#111111", "#888888", "#777777"
 LEGEND_ENTRIES = 6
 LABEL_CHAR = 6.6  # px: about the width of one character of a label
+TEXT_CELL, TEXT_BLOCK_W = 54, 240  # px: a logical slot showing text, and at most its block
+TEXT_CHAR = 6.2  # px: about the width of one character of a slot's text (SMALL)
+VISIBLE = str.maketrans({" ": "·", "\n": "↵", "\t": "⇥"})  # whitespace in a slot's text
 OVERVIEW_COLORS = {"free": "#e4e4e4", "cached": CACHED_EDGE, "shared": SHARED_FRAME, "pinned": PINNED}
 
 
@@ -59,11 +63,20 @@ class Frame:
     cell: float = 0.0
     numbers: bool = True
     legend_cols: int = 1
+    text: bool = False  # logical slots wide enough for a token's text
+    logical_cell: float = 0.0
+    logical_numbers: bool = True
+    text_chars: int = 0  # characters of text that fit a logical slot
 
     def __post_init__(self):
         self.window = min(self.num_blocks, 2 * WINDOW_ROWS)
         self.cols = cdiv(self.window, WINDOW_ROWS)
-        self.pool_x = SEQ_W + 44 + BLOCK_W + GAP
+        self.cell = BLOCK_W / self.block_size
+        self.logical_cell = self.cell
+        if self.text:  # wider slots (up to TEXT_CELL, TEXT_BLOCK_W a block) where 3 characters then fit
+            cell = max(self.cell, min(TEXT_CELL, TEXT_BLOCK_W / self.block_size))
+            self.logical_cell = cell if cell - 4 >= 3 * TEXT_CHAR else self.cell
+        self.pool_x = SEQ_W + 44 + self.logical_w + GAP
         self.width = self.pool_x + self.cols * (BLOCK_W + POOL_LABEL_W) + 24  # + room for copy arcs
         self.strip_cell = max(4, min(18, (self.width - 20) // self.num_blocks))
         self.strip_per_row = (self.width - 20) // self.strip_cell
@@ -71,9 +84,14 @@ class Frame:
         self.top = 26 + self.strip_h + 34
         self.legend_cols = 2 if self.width >= 900 else 1
         self.height = self.top + WINDOW_ROWS * ROW + 2 * 20 + cdiv(LEGEND_ENTRIES, self.legend_cols) * 22 + 8
-        self.cell = BLOCK_W / self.block_size
         digits = len(str(self.num_blocks * self.block_size - 1))
         self.numbers = self.cell >= 0.62 * SMALL * digits + 4  # slot numbers only where they fit
+        self.logical_numbers = self.logical_cell >= 0.62 * SMALL * digits + 4
+        self.text_chars = int((self.logical_cell - 4) // TEXT_CHAR) if self.text else 0
+
+    @property
+    def logical_w(self) -> int:
+        return round(self.logical_cell * self.block_size)
 
     @property
     def strip_row(self) -> int:
@@ -126,23 +144,31 @@ def _rect(x, y, w, h, fill, stroke="none", width=1.0, dash=None, gid=None) -> st
     )
 
 
-def _block(out, f: Frame, x, y, stripes, filled, frame, width, dash, numbers, gid, plain=False) -> None:
-    """One block: `filled` slots coloured (one stripe per owner), the rest white, numbers, a frame."""
-    out.append(_rect(x, y, BLOCK_W, BOX, "white"))
+def _block(out, f: Frame, x, y, stripes, filled, frame, width, dash, labels, gid, plain=False, cell=None):
+    """One block of slots `cell` px wide (default: a pool slot's): `filled` slots coloured (one stripe
+    per owner), the rest white, each slot's label (None: no labels), a frame."""
+    cell = cell or f.cell
+    out.append(_rect(x, y, cell * f.block_size, BOX, "white"))
     h = BOX / len(stripes)
     for k, color in enumerate(stripes):
         if filled:
-            out.append(_rect(x, y + k * h, filled * f.cell, h, color))
-    if f.cell >= 10:
+            out.append(_rect(x, y + k * h, filled * cell, h, color))
+    if cell >= 10:
         for j in range(1, f.block_size):
             line = "white" if j < filled and not plain else "#cccccc"
-            out.append(f"<line x1='{x + j * f.cell:.1f}' y1='{y}' x2='{x + j * f.cell:.1f}' y2='{y + BOX}' "
+            out.append(f"<line x1='{x + j * cell:.1f}' y1='{y}' x2='{x + j * cell:.1f}' y2='{y + BOX}' "
                        f"stroke='{line}' stroke-width='0.8'/>")  # fmt: skip
-    if numbers is not None and f.numbers:
-        for j, num in enumerate(numbers):
-            color = "white" if j < filled and not plain else "#555555"
-            out.append(_text(x + (j + 0.5) * f.cell, y + BOX / 2, num, SMALL, color, "middle"))
-    out.append(_rect(x, y, BLOCK_W, BOX, "none", frame, width, dash, gid))
+    for j, label in enumerate(labels or ()):
+        color = "white" if j < filled and not plain else "#555555"
+        out.append(_text(x + (j + 0.5) * cell, y + BOX / 2, label, SMALL, color, "middle"))
+    out.append(_rect(x, y, cell * f.block_size, BOX, "none", frame, width, dash, gid))
+
+
+def _slot_text(text: str, chars: int) -> str:
+    """A token's text in at most `chars` characters: whitespace shown (VISIBLE), other characters that
+    do not print escaped (\\x07), "∅" for no text, cut with "…"."""
+    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text.translate(VISIBLE)) or "∅"
+    return shown if len(shown) <= chars else shown[: chars - 1] + "…"
 
 
 def _pool_look(b: int, kind: str, snap: Snapshot, colors: dict) -> tuple:
@@ -215,23 +241,27 @@ def page_of(block_id: int, num_blocks: int) -> int:
     return block_id // Frame(num_blocks, 1).window
 
 
-def draw_explorer_picture(snap: Snapshot, colors: dict, page: int = 0, highlight=(), focus=()) -> Picture:
+def draw_explorer_picture(
+    snap: Snapshot, colors: dict, page: int = 0, highlight=(), focus=(), token_text: dict | None = None
+) -> Picture:
     """The picture for `snap`: the window `page` of the pool, `highlight`ed blocks glowing, the
-    sequences in `focus` (the last action's) drawn first beside it. `colors`: seq_id -> colour."""
-    f = Frame(snap.num_blocks, snap.block_size)
+    sequences in `focus` (the last action's) drawn first beside it. `colors`: seq_id -> colour.
+    `token_text`: None, each logical slot shows its token's index; a dict {seq_id: one str or None per
+    token} (may be empty), the logical blocks are wider and a slot shows its token's text where known."""
+    f = Frame(snap.num_blocks, snap.block_size, text=token_text is not None)
     page = max(0, min(page, f.num_pages - 1))
     blocks = range(page * f.window, min(snap.num_blocks, (page + 1) * f.window))
     kinds = [block_kind(b, snap) for b in range(snap.num_blocks)]
     out: list[str] = []
     _overview(out, f, snap, kinds, colors, blocks)
     lx = SEQ_W + 44  # left edge of the logical blocks
-    out.append(_text(lx + BLOCK_W / 2, f.top - 14, "logical blocks", FONT, anchor="middle", bold=True))
+    out.append(_text(lx + f.logical_w / 2, f.top - 14, "logical blocks", FONT, anchor="middle", bold=True))
     pages = f" (page {page + 1} of {f.num_pages})" if f.num_pages > 1 else ""
     header = f"physical blocks {blocks.start}–{blocks.stop - 1} of {snap.num_blocks}{pages}"
     out.append(_text(f.pool_x, f.top - 14, header, FONT, bold=True))
     where, labels = _pool_window(out, f, snap, kinds, colors, blocks, highlight)
     chosen, hidden = _choose_seqs(snap, blocks, list(focus))
-    _sequences(out, f, snap, colors, chosen, where, lx)
+    _sequences(out, f, snap, colors, chosen, where, lx, token_text or {})
     _copy_arcs(out, snap, where, labels)
     _footer(out, f, snap, hidden)
     return Picture(_svg(f, out), page, blocks, [snap.seqs[k][0] for k in chosen], hidden)
@@ -248,7 +278,7 @@ def _pool_window(out, f: Frame, snap: Snapshot, kinds, colors, blocks, highlight
             out.append(_rect(x - 5, y - 4, BLOCK_W + 10, BOX + 8, HIGHLIGHT, gid=f"highlight:{b}"))
         stripes, filled, frame, width, dash, label = _pool_look(b, kinds[b], snap, colors)
         labels[b] = label
-        numbers = [b * snap.block_size + i for i in range(snap.block_size)]
+        numbers = [b * snap.block_size + i for i in range(snap.block_size)] if f.numbers else None
         plain = kinds[b] in ("free", "cached")
         _block(out, f, x, y, stripes, filled, frame, width, dash, numbers, f"physical:{b}", plain)
         color = {"cached": CACHED_EDGE, "free": "#666666"}.get(kinds[b], "#222222")
@@ -256,7 +286,19 @@ def _pool_window(out, f: Frame, snap: Snapshot, kinds, colors, blocks, highlight
     return where, labels
 
 
-def _sequences(out, f: Frame, snap: Snapshot, colors, chosen, where, lx) -> None:
+def _slot_labels(f: Frame, texts, first: int, filled: int) -> list | None:
+    """The labels of a logical block's slots: a token's text where known and it fits, else its index
+    where that fits, else nothing (None: no slot has room for a label)."""
+    if not f.logical_numbers and f.text_chars < 3:
+        return None
+    labels = []
+    for t in range(first, first + filled):
+        text = texts[t] if texts and f.text_chars >= 3 else None
+        labels.append(_slot_text(text, f.text_chars) if text is not None else t if f.logical_numbers else "")
+    return labels + [""] * (f.block_size - filled)
+
+
+def _sequences(out, f: Frame, snap: Snapshot, colors, chosen, where, lx, token_text: dict) -> None:
     """The chosen sequences' logical blocks, each with an arrow to its physical block in the window."""
     bs, top, arrows, row = snap.block_size, f.top, [], 0
     for k in chosen:
@@ -279,15 +321,16 @@ def _sequences(out, f: Frame, snap: Snapshot, colors, chosen, where, lx) -> None
                 continue
             b, filled = ids[i], min(bs, count - i * bs)
             out.append(_text(lx - 5, y + BOX / 2, f"L{i}", SMALL, "#444444", "end"))
-            numbers = [i * bs + j if j < filled else "" for j in range(bs)]
-            _block(out, f, lx, y, (colors[s],), filled, colors[s], 1.6, None, numbers, f"logical:{s}:{i}")
+            labels = _slot_labels(f, token_text.get(s), i * bs, filled)
+            look = ((colors[s],), filled, colors[s], 1.6, None, labels, f"logical:{s}:{i}")
+            _block(out, f, lx, y, *look, cell=f.logical_cell)
             if b in where:
                 x, yb = where[b]
                 arrows.append(
-                    (lx + BLOCK_W + 2, y + BOX / 2, x - 3, yb + BOX / 2, colors[s], f"arrow:{s}:{i}->{b}")
+                    (lx + f.logical_w + 2, y + BOX / 2, x - 3, yb + BOX / 2, colors[s], f"arrow:{s}:{i}->{b}")
                 )
             else:
-                out.append(_text(lx + BLOCK_W + 5, y + BOX / 2, f"→ {b}", SMALL, colors[s]))
+                out.append(_text(lx + f.logical_w + 5, y + BOX / 2, f"→ {b}", SMALL, colors[s]))
         if not ids:
             out.append(_text(lx, top + row * ROW + BOX / 2, "(no blocks)", SMALL, GREY))
             row += 1

@@ -3,10 +3,11 @@ every sequence, so that sharing can be tried by hand without a model.
 
 Every action is one manager call (or a few, undone together on an error) and returns a one-line message
 saying what happened: the slots written, copy-on-write pairs, prefix-cache hits, blocks that stay cached
-when a sequence is freed, cached blocks evicted to make room. Token ids are made up: each new token gets
-an id no other token has, so two sequences share a cached prefix only when one was started from the
-other's tokens (`add(..., prefix_of=seq)`). A block's tokens count as computed as soon as they are added
-(there is no model here), so full blocks are named in the prefix cache right away.
+when a sequence is freed, cached blocks evicted to make room. Token ids are made up unless given (a
+tokenizer's, `add_tokens`/`append(..., token_ids=)`): each made-up token gets a negative id no other token
+has, so two sequences share a cached prefix only when one was started from the other's tokens
+(`add(..., prefix_of=seq)`) or both start with the same given ids. A block's tokens count as computed as
+soon as they are added (there is no model here), so full blocks are named in the prefix cache right away.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import copy
 
 from vllmini.block_manager import BlockManager
-from vllmini.checks import as_int, cdiv
+from vllmini.checks import as_int, as_token_ids, cdiv
 from vllmini.course.style import CACHED_FREE, RESERVED, plural
 from vllmini.errors import InvalidArgumentError, OutOfBlocksError
 
@@ -69,6 +70,22 @@ def _prefix_note(found: list[int], head: int, num_tokens: int, block_size: int, 
     return note
 
 
+def _given(token_ids) -> list[int]:
+    """Given token ids: a non-empty list of ints, each at least 0 (negative ids are the made-up ones)."""
+    token_ids = as_token_ids(token_ids, "token_ids")
+    if not token_ids or min(token_ids) < 0:
+        raise InvalidArgumentError(f"token_ids must be a non-empty list of ids >= 0, got {token_ids!r}")
+    return token_ids
+
+
+def _common_start(a: list[int], b: list[int]) -> int:
+    """How many ids `a` and `b` start with in common."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 class PageTablePlayground:
     """Add, grow, fork, free and step sequences on one pool; all-or-nothing, each with a message."""
 
@@ -85,9 +102,10 @@ class PageTablePlayground:
         self._next_token = 0
 
     def _fresh(self, count: int) -> list[int]:
-        """`count` token ids never used before (so no accidental prefix-cache hit)."""
+        """`count` token ids never used before, all negative (so no accidental prefix-cache hit, and
+        never a tokenizer's id)."""
         self._next_token += count
-        return list(range(self._next_token - count, self._next_token))
+        return list(range(-self._next_token, -self._next_token + count))
 
     def _cached_free(self) -> dict[int, bytes]:
         """Cached blocks nobody holds, with their hashes."""
@@ -131,7 +149,22 @@ class PageTablePlayground:
         if prefix_of is not None and prefix_of not in self.tokens:
             raise InvalidArgumentError(f"prefix_of={prefix_of!r} is no sequence; known: {list(self.tokens)}")
         head = self.tokens[prefix_of][:num_tokens] if prefix_of is not None else []
-        token_ids, hashes = head + self._fresh(num_tokens - len(head)), []
+        return self._add(head + self._fresh(num_tokens - len(head)), prefix_of, len(head))
+
+    def add_tokens(self, token_ids: list[int]) -> str:
+        """A new sequence of the given token ids (a tokenizer's: at least 0). Told as `add(...,
+        prefix_of=s)` for the sequence s that starts with the most of the same ids (live or freed): the
+        prefix cache finds the same blocks, by the same hashes."""
+        token_ids = _given(token_ids)
+        heads = {s: _common_start(t, token_ids) for s, t in self.tokens.items()}
+        source = max(heads, key=heads.get, default=None)
+        if source is None or heads[source] == 0:
+            return self._add(token_ids, None, 0)
+        return self._add(token_ids, source, heads[source])
+
+    def _add(self, token_ids: list[int], prefix_of, head: int) -> str:
+        """Add a sequence of `token_ids`, the first `head` of them `prefix_of`'s (None: no source)."""
+        num_tokens, hashes = len(token_ids), []
         shared = self.manager.cached_prefix(token_ids, hashes)
         seq_id, before = self.next_seq_id, self._cached_free()
         if not self.manager.can_allocate(num_tokens, shared):
@@ -147,17 +180,19 @@ class PageTablePlayground:
         self._commit(seq_id, 0)
         message = f"added seq {seq_id} with {plural(num_tokens, 'token')}"
         if prefix_of is not None:
-            message += f", the first {len(head)} from seq {prefix_of}"
+            message += f", the first {head} from seq {prefix_of}"
             if self.manager.prefix_cache is not None:
-                message += "; " + _prefix_note(
-                    shared, len(head), num_tokens, self.manager.block_size, prefix_of
-                )
+                message += "; " + _prefix_note(shared, head, num_tokens, self.manager.block_size, prefix_of)
         return self._finish(message, slots, before)
 
-    def append(self, seq_id, num_tokens: int) -> str:
-        """Grow `seq_id` by `num_tokens` tokens (copy-on-write if its last block is shared and partial)."""
+    def append(self, seq_id, num_tokens: int, token_ids: list[int] | None = None) -> str:
+        """Grow `seq_id` by `num_tokens` tokens (copy-on-write if its last block is shared and partial);
+        `token_ids`: their ids (a tokenizer's, as many as `num_tokens`; default: made up)."""
         table = self.manager.block_table(seq_id)  # an unknown seq_id raises here, before any change
         num_tokens = as_int(num_tokens, "num_tokens", min=1)
+        token_ids = self._fresh(num_tokens) if token_ids is None else _given(token_ids)
+        if len(token_ids) != num_tokens:
+            raise InvalidArgumentError(f"token_ids must hold num_tokens={num_tokens} ids, got {token_ids!r}")
         start, before = table.num_tokens, self._cached_free()
         needed = table.num_new_blocks(num_tokens)
         if needed > self.manager.num_free_blocks:
@@ -168,7 +203,7 @@ class PageTablePlayground:
                 f"{copy_note}, but {free_blocks_text(self.manager)}"
             )
         slots = self._on_a_copy(lambda manager: manager.append(seq_id, num_tokens))
-        self.tokens[seq_id] = self.tokens[seq_id][:start] + self._fresh(num_tokens)
+        self.tokens[seq_id] = self.tokens[seq_id][:start] + token_ids
         self._commit(seq_id, start)
         return self._finish(f"appended {plural(num_tokens, 'token')} to seq {seq_id}", slots, before)
 
