@@ -79,6 +79,8 @@ def main() -> None:
     dev = torch.device(args.device)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(dev).eval()
     tok = AutoTokenizer.from_pretrained(path, padding_side="left")
+    if tok.pad_token is None:  # some transformers versions read none from the converted folder
+        tok.pad_token = tok.eos_token
     model = LlamaModel.from_pretrained(path, dtype=torch.float32, device=dev)
     n = args.new_tokens
     params = SamplingParams(max_tokens=n, ignore_eos=True)

@@ -349,7 +349,8 @@ def test_a_failed_step_with_a_long_queue_restores_every_sequence(model):
     g = torch.Generator().manual_seed(5)
     for i in range(9):
         prompt = torch.randint(3, 128, (3 + i,), generator=g).tolist()
-        engine.add_request(prompt, SamplingParams(n=1 + i % 2, temperature=0.9, max_tokens=4, ignore_eos=True))
+        params = SamplingParams(n=1 + i % 2, temperature=0.9, max_tokens=4, ignore_eos=True)
+        engine.add_request(prompt, params)
     sched, commit = engine.scheduler, engine._commit
 
     def state():

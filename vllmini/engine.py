@@ -106,9 +106,8 @@ class EngineConfig:
 
 def make_config(config: EngineConfig | None, kwargs: dict) -> EngineConfig:
     """`config` (default EngineConfig()) with `kwargs` replacing its fields; checked."""
-    if config is None:
-        config = EngineConfig()
-    elif not isinstance(config, EngineConfig):
+    config = EngineConfig() if config is None else config
+    if not isinstance(config, EngineConfig):
         raise InvalidTypeError(f"config must be an EngineConfig or None, got {type(config).__name__}")
     names = {f.name for f in fields(EngineConfig)}
     unknown = sorted(set(kwargs) - names)
@@ -122,8 +121,7 @@ class DeferSigint:
     (a step's commit must not stop half-way)."""
 
     def __init__(self, hold: bool = False):
-        self.holding, self.interrupted = hold, False
-        self._previous = None
+        self.holding, self.interrupted, self._previous = hold, False, None
 
     def hold(self) -> None:
         self.holding = True

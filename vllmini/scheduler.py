@@ -136,11 +136,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def snapshot(self) -> tuple:
-        """Everything a step changes: queues, sequences (their samples too), preemptions, blocks.
-
-        Of the waiting sequences only the head can change: a step admits at most `max_num_seqs` minus
-        the running ones (none after a preemption, whose victims were running), so a long queue costs
-        nothing here."""
+        """Everything a step changes: queues, sequences (their samples too), preemptions, blocks. Of the
+        queue only its head: a step admits at most max_num_seqs minus the running (none if it preempts)."""
         head = islice(self.waiting, max(0, self.max_num_seqs - len(self.running)))
         seqs = dict.fromkeys(x for s in [*head, *self.running] for x in s.group)
         return (

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import enum
-from operator import attrgetter
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import torch
 
@@ -134,13 +134,8 @@ class SchedulerOutput:
     num_hit_blocks: int = 0
     num_prefill_tokens: int = 0  # prompt tokens computed in this step (not found cached or shared)
     chunk_ends: dict = field(default_factory=dict)  # chunked prefill: seq_id -> end of its chunk
-    COUNTS = (  # the counts StepStats copies, under the same names
-        "num_prefill_tokens",
-        "num_lookup_tokens",
-        "num_hit_tokens",
-        "num_lookup_blocks",
-        "num_hit_blocks",
-    )
+    # the counts StepStats copies, under the same names
+    COUNTS = "num_prefill_tokens num_lookup_tokens num_hit_tokens num_lookup_blocks num_hit_blocks".split()
 
     def prefill_end(self, seq: Sequence) -> int:
         """Where this step's prefill of `seq` stops: num_tokens, or earlier for a chunk."""
