@@ -173,12 +173,13 @@ def _gather_pages(args: DecodeArgs, lens: torch.Tensor, min_len: int, dtype: tor
     a length (from min_len up) read page 0 and are zeroed: they may hold NaN, and 0 * NaN is NaN."""
     kc, L, block_size = args.key_cache, args.max_seq_len, args.key_cache.shape[1]
     nb = cdiv(L, block_size)
-    pages = args.block_tables[:, :nb].long()  # (S, nb)
+    pages = args.block_tables[:, :nb]  # (S, nb)
     if min_len < L:
         used = torch.arange(nb, device=kc.device) * block_size < lens[:, None]  # (S, nb)
         pages = torch.where(used, pages, 0)
-    k = kc[pages].flatten(1, 2)[:, :L].to(dtype)  # (S, nb, bs, kvh, hs) -> (S, L, kvh, hs)
-    v = args.value_cache[pages].flatten(1, 2)[:, :L].to(dtype)
+    S, pages = len(pages), pages.reshape(-1)  # index_select: the pages in table order, (S * nb, bs, kvh, hs)
+    k = kc.index_select(0, pages).view(S, nb * block_size, *kc.shape[2:])[:, :L].to(dtype)  # (S, L, kvh, hs)
+    v = args.value_cache.index_select(0, pages).view(S, nb * block_size, *kc.shape[2:])[:, :L].to(dtype)
     if min_len < L:
         tail = (torch.arange(min_len, L, device=kc.device) >= lens[:, None])[:, :, None, None]
         k[:, min_len:].masked_fill_(tail, 0)
@@ -187,20 +188,32 @@ def _gather_pages(args: DecodeArgs, lens: torch.Tensor, min_len: int, dtype: tor
 
 
 def _sdpa_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float) -> torch.Tensor:
-    """SDPA of q (S, N, nh, hs) over k, v (S, L, kvh, hs): a KV head's G query heads as G x N rows."""
+    """SDPA of q (S, N, nh, hs) over k, v (S, L, kvh, hs); mask (S, N, L) or None. A KV head serves G =
+    nh / kvh query heads: on the CPU through enable_gqa (faster there); on CUDA its G heads become G x N
+    rows, since no fused CUDA kernel takes a mask with enable_gqa (PyTorch falls back to its math path)."""
     (S, N, num_heads, head_size), kvh = q.shape, k.shape[2]
+    k, v = k.transpose(1, 2), v.transpose(1, 2)  # (S, kvh, L, hs) strided views; SDPA takes them as is
+    if q.device.type == "cpu":
+        mask = None if mask is None else mask[:, None]  # (S, 1, N, L)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k, v, attn_mask=mask, scale=scale, enable_gqa=True
+        )
+        return out.transpose(1, 2)
     G = num_heads // kvh
     qg = q.view(S, N, kvh, G, head_size).permute(0, 2, 3, 1, 4).reshape(S, kvh, G * N, head_size)
     if mask is not None:
         mask = mask[:, None, None].expand(S, 1, G, N, -1).reshape(S, 1, G * N, -1)
-    k, v = k.transpose(1, 2), v.transpose(1, 2)  # (S, kvh, L, hs) strided views; SDPA takes them as is
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)  # (S, kvh, G*N, hs)
     return out.view(S, kvh, G, N, head_size).permute(0, 3, 1, 2, 4).reshape(S, N, num_heads, head_size)
 
 
 def _decode_torch(args: DecodeArgs) -> torch.Tensor:
     """Naive paged decode: each sequence's query sits at its context's last position."""
-    lens, L = args.seq_lens, args.max_seq_len
+    lens = args.seq_lens
+    if lens.device.type == "cpu" and len(lens):  # lengths on the host: read and mask only what is used
+        L = min(int(lens.max()), args.max_seq_len)  # within the tables even if unchecked
+        args = args._replace(max_seq_len=L, min_seq_len=max(int(lens.min()), args.min_seq_len))
+    L = args.max_seq_len
     k, v = _gather_pages(args, lens, args.min_seq_len, args.query.dtype)
     ragged = args.min_seq_len < L  # else every position is valid: no mask
     mask = (torch.arange(L, device=lens.device) < lens[:, None])[:, None] if ragged else None  # (S, 1, L)
@@ -311,6 +324,8 @@ def paged_attention(
     fast = known is not None and (max_seq_len is None or type(max_seq_len) is int)
     if fast and all(map(torch.Tensor.is_contiguous, tensors)):
         backend, version, scale, error, calls = known
+        if backend == "torch":
+            return _decode_torch(DecodeArgs(*tensors, scale, block_tables.shape[1] * key_cache.shape[1], 0))
         if (call := calls.get(max_seq_len)) is None:
             where = (version, backend, query.device, query.dtype, query.shape, key_cache.shape)
             call = calls[max_seq_len] = cuda_kernels.plan_call(
@@ -342,12 +357,14 @@ def _checked_paged_attention(tensors, scale, backend, validate, kernel_version, 
             raise InvalidArgumentError(
                 f"max_seq_len = {max_seq_len} is below max(seq_lens) = {args.max_seq_len}"
             )
-    if backend == "torch":
-        return _decode_torch(args)
     error = cuda_kernels.kernel_error_buffer(args.query.device) if mode == "guard" else None
-    out = torch.empty_like(args.query)
-    cuda_kernels.launch_paged_attention(args[:5], args.scale, out, backend, version, error, None, None,
-                                        args.max_seq_len if max_seq_len is None else max_seq_len)  # fmt: skip
+    if backend == "torch":
+        out = _decode_torch(args)
+    else:
+        out, longest = torch.empty_like(args.query), args.max_seq_len if max_seq_len is None else max_seq_len
+        cuda_kernels.launch_paged_attention(
+            args[:5], args.scale, out, backend, version, error, None, None, longest
+        )
     if key is not None and mode != "host" and all(a is t for a, t in zip(args[:5], tensors, strict=True)):
         if len(_CALLS) >= MAX_CACHED_CALLS:
             _CALLS.clear()

@@ -187,7 +187,7 @@ class Attention(nn.Module):
         T, nh, hd = x.shape[0], self.num_heads, self.head_dim
         qkv = self.qkv_proj(x)  # (T, (nh + 2 nkv) hd)
         qk = apply_rotary(qkv[:, : -self.num_kv_heads * hd].view(T, -1, hd), cos, sin)  # q and k at once
-        q, k = qk[:, :nh], qk[:, nh:]  # (T, nh, hd), (T, nkv, hd): views
+        q, k = qk[:, :nh].contiguous(), qk[:, nh:]  # (T, nh, hd) as attention takes it, (T, nkv, hd) view
         v = qkv[:, -self.num_kv_heads * hd :].view(T, self.num_kv_heads, hd)  # (T, nkv, hd)
         # the model checked slot_mapping and block_tables once for all layers
         reshape_and_cache(
