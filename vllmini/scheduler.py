@@ -58,6 +58,7 @@ class Scheduler:
         self._live: dict = {}  # seq_id -> Sequence, waiting or running
         self._requests: dict = {}  # request_id -> its group, while any sample is waiting or running
         self._stale: set = set()  # seq_ids whose cached KV a failed forward may have overwritten
+        self._admitted: list = []  # (sequence, its state) of this step's admissions, for `restore`
 
     def check_fits(self, seqs: Sequence | list[Sequence]) -> None:
         """InvalidArgumentError if a request (one sequence, or n samples) could never run, even alone."""
@@ -136,14 +137,15 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def snapshot(self) -> tuple:
-        """Everything a step changes: queues, sequences (their samples too), preemptions, blocks. Of the
-        queue only its head: a step admits at most max_num_seqs minus the running (none if it preempts)."""
-        head = islice(self.waiting, max(0, self.max_num_seqs - len(self.running)))
-        seqs = dict.fromkeys(x for s in [*head, *self.running] for x in s.group)
+        """Everything a step changes: queues, sequences (their samples too), preemptions, blocks. Waiting
+        sequences are saved as `_admit` takes them (`_admitted`): a long queue costs nothing here."""
+        self._admitted = []
+        seqs = dict.fromkeys(x for s in self.running for x in s.group)
         return (
             list(self.waiting),
             list(self.running),
             [(s, s.snapshot()) for s in seqs],
+            self._admitted,
             self.num_preemptions,
             self.block_manager.snapshot(),
             (dict(self._live), dict(self._requests), set(self._stale)),
@@ -152,9 +154,9 @@ class Scheduler:
     def restore(self, snapshot: tuple, stale=()) -> None:
         """Undo everything since `snapshot()`. `stale`: sequences preempted in the failed step (their
         blocks may hold its writes): recomputed unless preempted again."""
-        waiting, running, seqs, num_preemptions, blocks, (live, requests, stale_ids) = snapshot
+        waiting, running, seqs, admitted, num_preemptions, blocks, (live, requests, stale_ids) = snapshot
         self.waiting, self.running = deque(waiting), list(running)
-        for seq, state in seqs:
+        for seq, state in [*seqs, *admitted]:
             seq.restore(state)
         self.num_preemptions = num_preemptions
         self._live, self._requests, self._stale = dict(live), dict(requests), set(stale_ids)
@@ -183,7 +185,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's batch, allocating or reserving the slots its new tokens go to."""
-        out = SchedulerOutput()
+        out, self._admitted[:] = SchedulerOutput(), []  # (what the next restore undoes)
         self._schedule_decodes(out)
         self._schedule_admissions(out)
         spans = out.spans
@@ -290,6 +292,7 @@ class Scheduler:
 
     def _admit(self, group: list[Sequence], hits: list, shares: list, out: SchedulerOutput) -> None:
         bm, bs, first = self.block_manager, self.block_size, group[0]
+        self._admitted += [(s, s.snapshot()) for s in group]  # for `restore`: they change from here on
         bm.allocate(first.seq_id, self._admit_tokens(first), shared=hits)
         first.num_computed_tokens = len(hits) * bs
         out.prefills.append(first)
