@@ -13,14 +13,11 @@ without padding and decodes all B sequences in one forward per step over the pag
 The model is fetched the first time (vllmini.models). Targets (issue 22): on 2 CPU cores, vllmini at
 batch 1 no slower per token than generate, at batch 8 at least 3x generate's tokens/s.
 
-Recorded 2026-12-02 on a 2-core CPU shared with other jobs (load average 5-8), torch 2.13 CPU,
-transformers 5.24, --threads 1 --repeats 3 (with 2 threads the other jobs made every run erratic):
-  batch 1: generate 13.7 tok/s, vllmini 12.8 (0.93x; 73 vs 78 ms/token)
-  batch 8: generate 39.7 tok/s, vllmini 35.1 (0.89x), 2.6x generate's batch-1 rate
-Both spend 80-87% of their op time in the same matrix multiplies (torch.profiler), so batched generate
-is as fast per step: on equal-length requests the paged engine has nothing to win on a CPU; its gains are
-memory (more sequences fit) and retiring finished requests, which this fixed-length run does not exercise.
-vllmini's own extra cost at batch 8 is the page gather (aten::index, 6%) and masking ragged tails (3%).
+Recorded in benchmarks/RESULTS.md ("The course model against generate"): on 2 idle CPU cores, --threads 2
+--repeats 6, batch 1 1.00x and batch 8 0.98x generate (4.1x generate's batch-1 rate); on an H200 7.3x, 5.7x
+and 3.7x at batch 1, 8 and 64. On equal-length requests on a CPU both run the same matrix products (memory
+bound on the weights), so batched generate is as fast per step: the paged engine's gains there are memory
+(more sequences fit) and retiring finished requests, which this fixed-length run does not exercise.
 """
 
 from __future__ import annotations
