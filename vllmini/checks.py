@@ -24,12 +24,13 @@ def _is_bool(value) -> bool:
 
 def as_int(value, name: str, *, min: int | None = None, max: int | None = None) -> int:
     """`value` as a Python int within [min, max] (either bound optional)."""
-    if _is_bool(value):
-        raise InvalidTypeError(f"{name} must be an int, got bool {value!r}")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise InvalidTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+    if type(value) is not int:  # (a plain int, the common case, needs no conversion)
+        if _is_bool(value):
+            raise InvalidTypeError(f"{name} must be an int, got bool {value!r}")
+        try:
+            value = operator.index(value)
+        except TypeError:
+            raise InvalidTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
     if min is not None and value < min:
         raise InvalidArgumentError(f"{name} must be >= {min}, got {value}")
     if max is not None and value > max:
