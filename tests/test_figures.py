@@ -103,6 +103,30 @@ def tensor_cores() -> dict[tuple[str, str, str], float]:
     return out
 
 
+@cache
+def tensor_core_times() -> dict[tuple[str, str, str], float]:
+    """(shape, dtype, row) -> GPU time in us, from bench_tensor_cores.py's table."""
+    out = {}
+    for t in _table_lines(TENSOR_CORES):
+        i = next(k for k, tok in enumerate(t) if tok in DTYPES)
+        out[" ".join(t[:i]), t[i], " ".join(t[i + 1 : -4])] = float(t[-4])
+    return out
+
+
+def _tensor_core_line(shape: str, dtype: str) -> tuple:
+    """Notebook 07's line for a GQA shape: cuDNN's time, v5's and the fastest v6 row's ratios, its pieces."""
+    times = tensor_core_times()
+    v6 = min((r for s, d, r in times if (s, d) == (shape, dtype) and r.startswith("v6 splits=")),
+             key=lambda r: times[shape, dtype, r])  # fmt: skip
+    ratios = tensor_cores()
+    return (
+        times[shape, dtype, "cuDNN sdpa"],
+        ratios[shape, dtype, "v5 kernel"],
+        ratios[shape, dtype, v6],
+        int(v6.split("=")[1]),
+    )
+
+
 def text_date(name: str) -> str:
     """The date of a recorded text table's run ("2026-12-02 14:13 UTC, NVIDIA H200")."""
     m = re.search(r"^(\d{4}-\d\d-\d\d) \d\d:\d\d UTC, NVIDIA H200", (RECORDED / name).read_text(), re.M)
@@ -620,6 +644,22 @@ NOTEBOOK_FIGURES = [
             lambda letter=letter: _attention_line(letter),
         )
         for letter in "abcdef"
+    ),
+    (
+        "07_fast_kernel.ipynb",
+        f'"{TENSOR_CORES}"',
+        r"recorded (\S+) \S+ UTC, NVIDIA H200",
+        lambda: (text_date(TENSOR_CORES),),
+    ),
+    *(
+        (
+            "07_fast_kernel.ipynb",
+            f'"{TENSOR_CORES}"',
+            rf"{shape} {dtype} +cuDNN +{N} us +v5 {N}x +v6 {N}x \(splits={N}\)",
+            lambda shape=shape, dtype=dtype: _tensor_core_line(shape, dtype),
+        )
+        for shape in ("B64 L4096 32/8", "B64 L4096 32/4", "B64 L4096 64/8")
+        for dtype in ("float16", "bfloat16")
     ),
     (
         "solutions/07_fast_kernel_solutions.ipynb",
