@@ -409,6 +409,21 @@ COURSE_MODEL = [
         lambda: (f"{round(recorded('course_model.json')['folder_bytes'] / 1e6, -1):.0f}",),
     ),
 ]
+TOKENS = "course_model_tokens_2026-12-02.json"
+COURSE_MODEL += [
+    Figure(
+        "On an H200 vllmini makes {}x, {}x and {}x `generate`'s tokens/s with it at batch 1, 8 and 64",
+        TOKENS,
+        lambda: tuple(f"{r['ratio']:.1f}" for r in recorded(TOKENS)["runs"][0]["rows"]),
+    ),
+    Figure(
+        "on 2 CPU cores {}x and {}x at batch 1 and 8",
+        TOKENS,
+        lambda: tuple(
+            f"{r['ratio']:.2f}" for r in recorded(TOKENS)["runs"][2]["rows"] if r["tree"] == "after"
+        ),
+    ),
+]
 COURSE_MODEL_NOT_YET_RECORDED: dict[str, str] = {}  # none today
 
 
