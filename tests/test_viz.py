@@ -1253,3 +1253,58 @@ def test_work_split_collapses_identical_versions_into_one_panel():
         len(titles) == 2 and "v1 a, v2 b" in titles[0] and "read 4x" in titles[0] and "read 1x" in titles[1]
     )
     assert list(kernel_plots.group_identical({"x": per_head, "y": split, "z": per_head})) == ["x", "y", "z"]
+
+
+def test_butterfly_in_groups_of_16_never_crosses_the_halves():
+    from vllmini.errors import InvalidArgumentError
+
+    values = list(range(32))
+    assert cuda_plots.butterfly_masks(16) == [8, 4, 2, 1]
+    rows = cuda_plots.butterfly_steps(values, group=16)
+    assert len(rows) == 5 and rows[-1] == [float(sum(range(16)))] * 16 + [float(sum(range(16, 32)))] * 16
+    fig = cuda_plots.draw_butterfly(values, group=16)
+    assert "lanes 0-15 hold 120, lanes 16-31 hold 376" in fig.axes[0].get_title()
+    with pytest.raises(InvalidArgumentError, match="group must be a power of two"):
+        cuda_plots.butterfly_masks(12)
+
+
+def test_transposed_butterfly_leaves_each_lane_one_tokens_sum():
+    import random
+
+    from vllmini.course import kernel_plots
+    from vllmini.errors import InvalidArgumentError
+
+    rng = random.Random(3)
+    group, tokens = 16, 4
+    parts = [[rng.randint(-9, 9) for _ in range(tokens)] for _ in range(group)]
+    rows = kernel_plots.transposed_butterfly_steps(parts)
+    assert [len(row[0]) for row in rows] == [4, 2, 1, 1, 1]  # 2 halving steps, then 2 plain ones
+    # the kernel's my_token (paged_attention_5_gqa_split.cu): lane & 8 -> tokens 2, 3; lane & 4 -> odd token
+    my_token = [2 * bool(lane & 8) + bool(lane & 4) for lane in range(group)]
+    assert rows[-1] == [[(u, float(sum(p[u] for p in parts)))] for u in my_token]
+    assert rows[1][0] == [(0, parts[0][0] + parts[8][0]), (1, parts[0][1] + parts[8][1])]
+    assert rows[1][8] == [(2, parts[8][2] + parts[0][2]), (3, parts[8][3] + parts[0][3])]
+    assert kernel_plots.plot_transposed_butterfly(parts).axes
+    with pytest.raises(InvalidArgumentError, match="power-of-two group"):
+        kernel_plots.transposed_butterfly_steps([[1, 2, 3]] * 8)
+
+
+def test_split_merge_equals_softmax_over_the_whole_context():
+    import numpy as np
+
+    from vllmini.course import kernel_plots
+    from vllmini.errors import InvalidArgumentError
+
+    gen = np.random.default_rng(1)
+    scores, values = gen.normal(0, 3, 10), gen.normal(size=(10, 3))
+    p = np.exp(scores - scores.max())
+    for pieces in (1, 3, 4, 10):
+        merge = kernel_plots.split_merge(scores, values, pieces)
+        assert len(merge["m"]) == pieces and np.isclose(merge["w"].sum(), 1.0)
+        assert np.allclose(merge["out"], p @ values / p.sum(), rtol=0, atol=1e-12)
+    merge = kernel_plots.split_merge(scores, values, 3)  # pieces of 4, 4, 2 tokens
+    assert merge["starts"] == [0, 4, 8] and merge["m"][2] == scores[8:].max()
+    fig = kernel_plots.plot_split_merge(scores, merge)
+    assert [round(b.get_height(), 12) for b in fig.axes[1].patches] == [round(w, 12) for w in merge["w"]]
+    with pytest.raises(InvalidArgumentError, match="pieces <= tokens"):
+        kernel_plots.split_merge(scores, values, 11)

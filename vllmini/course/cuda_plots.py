@@ -60,23 +60,32 @@ def draw_cuda_hierarchy(grid: tuple[int, int] = (4, 2), threads: int = 128, figs
     return fig
 
 
-def butterfly_steps(values) -> list[list[float]]:
-    """The 32 lane values before and after each step of the xor butterfly (masks 16, 8, 4, 2, 1)."""
+def butterfly_masks(group: int = WARP_SIZE) -> list[int]:
+    """The xor masks of a butterfly over groups of `group` lanes: 16, 8, 4, 2, 1 for the whole warp."""
+    if group not in (2, 4, 8, 16, 32):
+        raise InvalidArgumentError(f"group must be a power of two from 2 to {WARP_SIZE} lanes, got {group!r}")
+    return [group >> s for s in range(1, group.bit_length())]
+
+
+def butterfly_steps(values, group: int = WARP_SIZE) -> list[list[float]]:
+    """The 32 lane values before and after each step of the xor butterfly (masks 16, 8, 4, 2, 1; from
+    group / 2 down for groups of `group` lanes, each summing its own lanes)."""
     rows = [[float(v) for v in values]]
     assert len(rows[0]) == WARP_SIZE, "one value per lane"
-    for mask in (16, 8, 4, 2, 1):
+    for mask in butterfly_masks(group):
         prev = rows[-1]
         rows.append([prev[lane] + prev[lane ^ mask] for lane in range(WARP_SIZE)])
     return rows
 
 
-def draw_butterfly(values, lane: int = 0, figsize=(10, 5.6)) -> Figure:
-    """Which lane adds which in each step of `v += __shfl_xor_sync(0xffffffff, v, k)`; `lane` in red."""
+def draw_butterfly(values, lane: int = 0, group: int = WARP_SIZE, figsize=(10, 5.6)) -> Figure:
+    """Which lane adds which in each step of `v += __shfl_xor_sync(0xffffffff, v, k)`; `lane` in red.
+    With `group` < 32 the butterfly stops at k = group / 2: each group of lanes sums its own values."""
     import matplotlib.pyplot as plt
 
-    rows = butterfly_steps(values)
+    rows = butterfly_steps(values, group)
     fig, ax = plt.subplots(figsize=figsize)
-    for step, mask in enumerate((16, 8, 4, 2, 1)):
+    for step, mask in enumerate(butterfly_masks(group)):
         ax.plot([lane, lane], [step + 0.18, step + 0.82], color="red", lw=1.8, zorder=2)  # its own value
         for target in range(WARP_SIZE):  # a line into lane `target` from its partner target ^ mask
             partner = target ^ mask
@@ -95,8 +104,12 @@ def draw_butterfly(values, lane: int = 0, figsize=(10, 5.6)) -> Figure:
     ax.set_xlabel("lane")
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels(["start"] + [f"after step {s}" for s in range(1, len(rows))])
-    ax.set_title(f"the butterfly: in step k, lane l adds lane l ^ k; after 5 shuffles every lane holds\n"
-                 f"the sum {rows[-1][0]:g} (red: the values lane {lane} adds)", fontsize=11)  # fmt: skip
+    ends = ", ".join(f"lanes {g}-{g + group - 1} hold {rows[-1][g]:g}" for g in range(0, WARP_SIZE, group))
+    whole = f"in groups of {group}:\n{ends}"
+    if group == WARP_SIZE:
+        whole = f"every lane holds\nthe sum {rows[-1][0]:g}"
+    ax.set_title(f"the butterfly: in step k, lane l adds lane l ^ k; after {len(rows) - 1} shuffles {whole} "
+                 f"(red: the values lane {lane} adds)", fontsize=11)  # fmt: skip
     bare(ax, keep=("bottom", "left"))
     fig.tight_layout()
     return fig

@@ -1,11 +1,12 @@
-"""Kernel performance pictures (notebook 07): the decode roofline, how versions split the work, recorded
-bandwidth per shape, and the tensor core's mma fragments."""
+"""Kernel pictures (notebook 07): the decode roofline, how versions split the work, version 5's transposed
+butterfly and split-context merge, recorded bandwidth per shape, and the tensor core's mma fragments."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from vllmini.course.style import PALETTE
+from vllmini.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -181,5 +182,124 @@ def plot_tensor_core_gain(
     ax.set_ylabel("TB/s of K+V read")
     ax.set_ylim(0, read_ceiling_tb_s * 1.3)
     ax.legend(fontsize=8, loc="upper right", ncol=len(rows))
+    fig.tight_layout()
+    return fig
+
+
+def transposed_butterfly_steps(parts) -> list[list[list[tuple[int, float]]]]:
+    """Version 5's step 4, in Python: `parts[lane][u]` is a lane's partial dot product for token u (a group
+    of GROUP = len(parts) lanes, TOKENS = len(parts[0]) tokens). Each step with offset k = GROUP/2, GROUP/4,
+    ... keeps half of a lane's values (the upper half where lane & k), adds the partner's (lane ^ k) same
+    half, and sends it the other; once one value is left, plain butterflies. Returns every row of
+    [lane][(token, value)], the start first; at the end lane l holds one token's full sum."""
+    group, tokens = len(parts), len(parts[0])
+    if group & (group - 1) or tokens & (tokens - 1) or not 1 <= tokens <= group:
+        raise InvalidArgumentError(f"need a power-of-two group and tokens <= group, got {group} x {tokens}")
+    rows = [[[(u, float(x)) for u, x in enumerate(lane)] for lane in parts]]
+    offset = group // 2
+    while offset:
+        prev, half = rows[-1], max(len(rows[-1][0]) // 2, 1)
+        row = []
+        for lane in range(group):
+            side = slice(half, None) if lane & offset and len(prev[lane]) > 1 else slice(0, half)
+            mine, theirs = prev[lane][side], prev[lane ^ offset][side]
+            row.append([(u, a + b) for (u, a), (_, b) in zip(mine, theirs, strict=True)])
+        rows.append(row)
+        offset //= 2
+    return rows
+
+
+def plot_transposed_butterfly(parts, *, lane: int = 0, figsize=(11, 4.2)) -> Figure:
+    """Lanes as columns, steps as rows: each lane's values as boxes coloured by token, a line into every
+    lane from the partner it adds (red for `lane`)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    rows = transposed_butterfly_steps(parts)
+    group = len(parts)
+    fig, ax = plt.subplots(figsize=figsize)
+    for step, row in enumerate(rows):
+        for col, values in enumerate(row):
+            width = 0.9 / len(values)
+            for i, (token, value) in enumerate(values):
+                x = col - 0.45 + i * width
+                look = {"ec": "red", "lw": 1.2} if col == lane else {"ec": "grey", "lw": 0.5}
+                look["fc"] = PALETTE[token % len(PALETTE)]
+                ax.add_patch(Rectangle((x, step - 0.2), width, 0.4, alpha=0.35, **look))
+                ax.text(x + width / 2, step, f"{value:g}", ha="center", va="center", fontsize=8)
+        if step:
+            offset = group >> step
+            for col in range(group):
+                red = col == lane
+                ax.plot([col ^ offset, col], [step - 0.78, step - 0.22], color="red" if red else "#bbbbbb",
+                        lw=1.6 if red else 0.5, zorder=2 if red else 1)  # fmt: skip
+    labels = ["start"] + [
+        f"k = {group >> s}: " + ("keep half, send half" if len(rows[s - 1][0]) > 1 else "plain butterfly")
+        for s in range(1, len(rows))
+    ]
+    ax.set_yticks(range(len(rows)), labels, fontsize=9)
+    ax.set_xticks(range(group), range(group), fontsize=9)
+    ax.set_xlim(-0.6, group - 0.4)
+    ax.set_ylim(len(rows) - 0.6, -0.6)
+    ax.set_xlabel("lane in the group")
+    ax.set_title(f"the transposed butterfly: {len(parts[0])} tokens' partial sums per lane (colour: token); "
+                 f"after {len(rows) - 1} shuffles each lane holds one token's score\n(a line runs into each "
+                 f"lane from the partner it adds; red: lane {lane})", fontsize=10)  # fmt: skip
+    fig.tight_layout()
+    return fig
+
+
+def split_merge(scores, values, pieces: int) -> dict:
+    """One query over one context of len(scores) tokens cut into `pieces` consecutive pieces (the last may
+    be shorter), as version 5's split blocks see it: each piece's m_i = max score, l_i = sum exp(s - m_i)
+    and o_i = its normalized output; then M = max m_i, w_i = l_i e^(m_i - M) / sum_j l_j e^(m_j - M) and
+    out = sum w_i o_i. float64 throughout."""
+    import numpy as np
+
+    scores, values = np.asarray(scores, dtype=np.float64), np.asarray(values, dtype=np.float64)
+    if not 1 <= pieces <= len(scores) or values.shape[0] != len(scores):
+        raise InvalidArgumentError(
+            f"need 1 <= pieces <= tokens and one value row per score, got {pieces} pieces, "
+            f"{len(scores)} scores, {values.shape[0]} value rows"
+        )
+    size = -(-len(scores) // pieces)
+    starts = list(range(0, len(scores), size))
+    m = np.array([scores[a : a + size].max() for a in starts])
+    l = np.array([np.exp(scores[a : a + size] - mi).sum() for a, mi in zip(starts, m, strict=True)])
+    o = np.stack([np.exp(scores[a : a + size] - mi) @ values[a : a + size] / li
+                  for a, mi, li in zip(starts, m, l, strict=True)])  # fmt: skip
+    w = l * np.exp(m - m.max())
+    w = w / w.sum()
+    return {"starts": starts, "size": size, "m": m, "l": l, "o": o, "M": m.max(), "w": w, "out": w @ o}
+
+
+def plot_split_merge(scores, merge: dict, *, figsize=(11, 3.8)) -> Figure:
+    """Left: the scores along the context, each piece shaded, with its max m_i (line) and (m_i, l_i)
+    written above it. Right: the merge weights w_i of the pieces, from `split_merge`."""
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=figsize, gridspec_kw={"width_ratios": [2.4, 1]})
+    top = max(scores) + 0.25 * (max(scores) - min(scores))
+    for i, start in enumerate(merge["starts"]):
+        end = min(start + merge["size"], len(scores))
+        color = PALETTE[i % len(PALETTE)]
+        ax.axvspan(start - 0.5, end - 0.5, color=color, alpha=0.12)
+        ax.plot(range(start, end), scores[start:end], "o", color=color, ms=4)
+        ax.hlines(merge["m"][i], start - 0.4, end - 0.6, color=color, lw=1.5)
+        label = f"piece {i}: block {i}\nm = {merge['m'][i]:.2f}, l = {merge['l'][i]:.2f}"
+        ax.text((start + end - 1) / 2, top, label, ha="center", va="top", fontsize=8)
+    ax.set_ylim(min(scores) - 0.3, top + 0.1 * (top - min(scores)))
+    ax.set_xlabel("token of the context")
+    ax.set_ylabel("score q·k / sqrt(D)")
+    pieces = len(merge["starts"])
+    ax.set_title(f"{pieces} pieces, each read by its own thread block (line: its max m_i)", fontsize=10)
+    names = [f"piece {i}" for i in range(pieces)]
+    bars = bx.bar(names, merge["w"], color=[PALETTE[i % len(PALETTE)] for i in range(len(names))])
+    bx.bar_label(bars, [f"{w:.3f}" for w in merge["w"]], fontsize=8)
+    bx.set_ylim(0, 1.15 * max(merge["w"]))
+    bx.set_ylabel("merge weight w_i")
+    weight = "w_i = l_i e^(m_i - M) / sum_j l_j e^(m_j - M)"
+    bx.set_title(f"M = max m_i = {merge['M']:.2f}\n{weight}", fontsize=10)
+    bx.tick_params(labelsize=8)
     fig.tight_layout()
     return fig
