@@ -243,7 +243,7 @@ def plot_transposed_butterfly(parts, *, lane: int = 0, figsize=(11, 4.2)) -> Fig
     ax.set_ylim(len(rows) - 0.6, -0.6)
     ax.set_xlabel("lane in the group")
     ax.set_title(f"the transposed butterfly: {len(parts[0])} tokens' partial sums per lane (colour: token); "
-                 f"after {len(rows) - 1} shuffles each lane holds one token's score\n(a line runs into each "
+                 f"after {len(rows) - 1} steps each lane holds one token's score\n(a line runs into each "
                  f"lane from the partner it adds; red: lane {lane})", fontsize=10)  # fmt: skip
     fig.tight_layout()
     return fig
