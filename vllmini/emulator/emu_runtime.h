@@ -600,19 +600,6 @@ EMU_UNCHECKED inline unsigned long long fault_pc(void* context) {
     return pc - module_base + 1;
 }
 
-// The stack pointer at the fault (0: unknown). Below the running fiber's stack, it says the stack ran out,
-// wherever the faulting access landed (a large frame can step past the guard page).
-EMU_UNCHECKED inline uintptr_t fault_sp(void* context) {
-#if defined(__linux__) && defined(__x86_64__)
-    return static_cast<uintptr_t>(static_cast<ucontext_t*>(context)->uc_mcontext.gregs[REG_RSP]);
-#elif defined(__linux__) && defined(__aarch64__)
-    return static_cast<uintptr_t>(static_cast<ucontext_t*>(context)->uc_mcontext.sp);
-#else
-    (void)context;
-    return 0;
-#endif
-}
-
 EMU_UNCHECKED inline const char* signal_text(int sig, int code) {
     switch (sig) {
         case SIGFPE:
@@ -637,9 +624,9 @@ EMU_UNCHECKED inline void on_fault(int sig, siginfo_t* info, void* context) {
     const char* addr = static_cast<const char*>(info->si_addr);
     long page = sysconf(_SC_PAGESIZE);
     bool overflow = false;
+    // a fault in a guard page: kernels are built with -fstack-clash-protection, so even a frame larger than
+    // the stack touches its pages top down and faults there first, before it writes anywhere else
     for (char* stack : Span_of<char*>{L.stacks, L.stacks + L.n_stacks}) overflow |= sig == SIGSEGV && addr >= stack - page && addr < stack;
-    uintptr_t sp = fault_sp(context);
-    overflow |= sig == SIGSEGV && cur && sp && sp < stack_lo && stack_lo - sp <= (uintptr_t{1} << 30);
     memset(error_info, 0, sizeof error_info);
     error_info[0] = ERR_SIGNAL;
     error_info[1] = reinterpret_cast<uintptr_t>(addr);
