@@ -138,8 +138,7 @@ class Scheduler:
 
     def snapshot(self) -> tuple:
         """Everything a step changes: queues, sequences (their samples too), preemptions, blocks. Waiting
-        sequences are saved as `_admit` takes them (`_admitted`): a long queue costs nothing here."""
-        self._admitted = []
+        sequences are saved as `_admit` takes them (into `_admitted`, which `schedule` empties first)."""
         seqs = dict.fromkeys(x for s in self.running for x in s.group)
         return (
             list(self.waiting),
@@ -185,7 +184,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's batch, allocating or reserving the slots its new tokens go to."""
-        out, self._admitted[:] = SchedulerOutput(), []  # (what the next restore undoes)
+        out = SchedulerOutput()
+        self._admitted.clear()  # this step's admissions only (none pile up when no snapshot() is taken)
         self._schedule_decodes(out)
         self._schedule_admissions(out)
         spans = out.spans
