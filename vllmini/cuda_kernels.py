@@ -97,7 +97,7 @@ class KernelVersion:
 
 # every version the course has, in order: (number, name, dtypes, threads, guard, summary)
 VERSIONS: tuple[KernelVersion, ...] = tuple(KernelVersion(*row) for row in (
-    (1, "plain", (torch.float32,), 128, False, "scores in shared memory, three passes (notebook 05)"),
+    (1, "plain", (torch.float32,), 128, False, "scores in shared memory, three passes (notebook 05b)"),
     (2, "warp_softmax", FLOAT_DTYPES, 256, False, "a warp per token, online softmax per warp"),
     (3, "vector_loads", FLOAT_DTYPES, 256, False, "lanes own consecutive dims: 16-byte loads"),
     (4, "half_warps", FLOAT_DTYPES, 256, False, "16-bit rows in half warps: 2 tokens a warp"),
