@@ -5,25 +5,26 @@ about twice the size needed through random non-identity block tables (unused pag
 Every row's output is checked against a float64 reference first (the run aborts on a mismatch), then
 timed. Rows (GPU): "sdpa (contiguous)" = `scaled_dot_product_attention` on the contiguous copy (torch's
 default dispatch, enable_gqa for GQA); "torch gather" = `paged_attention(backend="torch")`; "vN kernel" =
-kernel version N alone (`cuda_kernels.paged_attention_kernel` on validated inputs; version 5 with its
-in-kernel guard on, as the public call runs it); "v5 no guard" = the same without the guard (its cost);
-"v5 identity table" = the same kernel over an identity block table (paging's cost; not re-validated);
+kernel version N alone (`cuda_kernels.paged_attention_kernel` on validated inputs; versions 8-9 with
+their in-kernel guard on, as the public call runs them; version 7 is version 8 without it);
+"v8 identity table" = version 8 over an identity block table (paging's cost; not re-validated);
 "(graph)" rows (--graphs) = the call captured once in a torch.cuda.CUDAGraph and replayed (no host time);
 "public call" = `paged_attention(..., backend="cupy")` with default arguments; "public v4 + host check"
-= the call as it was before version 5 (kernel 4, validate=True: one host sync). "read ceiling" = a
-torch.sum over as many bytes as the shape's K and V (a pure-read kernel).
+= kernel 4 behind the host's table check (validate=True: one host sync). "read ceiling" = the plain
+read kernel (kernels/read_ceiling.cu, benchmarks/cuda_timing.py) over as many bytes as the shape's K and V.
 
     python benchmarks/bench_attention.py                      # small CPU grid, < 1 minute
     python benchmarks/bench_attention.py --device cuda --preset h200 --csv h200.csv --plot h200.png
     python benchmarks/bench_attention.py --batch 1 4 --context 16 40 --emulator   # the CPU emulator
 
---block-sizes 8 16 32 64 128 adds kernel 5 at other block sizes on the first shape (same data, re-paged).
+--block-sizes 8 16 32 64 128 adds kernel 8 at other block sizes on the first shape (same data, re-paged).
 --json writes the rows for notebook 07 (benchmarks/h200_attention.json is the recorded run).
 
 Bandwidth = bytes of K+V of the valid tokens / time. "vs sdpa" and "vs torch" are time ratios
 (t_backend / t_other; < 1 is faster). "% read bw" is the share of the device's read bandwidth,
-measured here by a large torch.sum. GPU: CUDA events, median of --repeats (>= 30) calls, L2 flushed
-(256 MB written) before every timed call. CPU: time.perf_counter, median.
+measured here by the plain read kernel over 4 GB (a large torch.sum on a CPU). GPU: CUDA events,
+median of --repeats (>= 30) calls, L2 flushed (256 MB written) before every timed call.
+CPU: time.perf_counter, median.
 """
 
 from __future__ import annotations
@@ -38,13 +39,15 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from cuda_timing import read_ceiling_us
 from tqdm import tqdm
 
 import vllmini
 from vllmini import cuda_kernels
 from vllmini.attention import cupy_usable, validate_decode_args
-from vllmini.cuda_kernels import kernel_error_buffer
+from vllmini.cuda_kernels import IDEAS, kernel_error_buffer
 
+G = IDEAS["guard"]  # the guarded version the public call runs (MHA, float32, no tensor cores)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # relative L2 error allowed against float64 (inputs are exact in every dtype)
 MAX_REL_ERR = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -66,8 +69,8 @@ def parse_args(argv=None):
     p.add_argument("--preset", choices=["h200"], help="shapes (a)-(f), D=128, bs=16, fp16+fp32")
     p.add_argument("--versions", type=int, nargs="*", help="kernel versions to time (default: all present)")
     p.add_argument("--block-sizes", type=int, nargs="*", default=[], help="extra block sizes, best kernel")
-    p.add_argument("--graphs", action="store_true", help="also time v5 and the public call as CUDA graphs")
-    p.add_argument("--variants", nargs="*", default=[], help=".cu files timed as variants of version 5")
+    p.add_argument("--graphs", action="store_true", help="also time v8 and the public call as CUDA graphs")
+    p.add_argument("--variants", nargs="*", default=[], help=".cu files timed as variants of version 8")
     p.add_argument("--json", help="write the rows and the run's facts to this JSON file")
     p.add_argument("--repeats", type=int, help="timed calls per backend (default 30 on GPU, 7 on CPU)")
     p.add_argument("--quick", action="store_true", help="fewer shapes and repeats: a smoke test")
@@ -172,8 +175,11 @@ def time_fn(fn, device: str, repeats: int, flush: torch.Tensor | None) -> float:
 
 
 def measure_read_bandwidth(device: str, repeats: int) -> float:
-    """Bytes/s of a large read-only reduction (torch.sum): 4 GB on a GPU, 256 MB on a CPU."""
-    n = 2**30 if device.startswith("cuda") else 2**26  # float32 elements
+    """Bytes/s of the plain read kernel over 4 GB on a GPU; of a torch.sum over 256 MB on a CPU."""
+    if device.startswith("cuda"):
+        flush = torch.empty(2**26, device=device)
+        return 2**32 / (read_ceiling_us(2**32, max(repeats, 10), flush) * 1e-6)
+    n = 2**26  # float32 elements
     x = torch.ones(n, dtype=torch.float32, device=device)
     flush = torch.empty(2**26, device=device) if device.startswith("cuda") else None
     us = time_fn(x.sum, device, max(repeats, 10) if flush is not None else 5, flush)
@@ -217,10 +223,8 @@ def calls_for(args, shape, data, scale, q4, kc, vc) -> dict:
             if v is None or dtype not in v.dtypes:
                 continue
             calls[f"v{n} kernel"] = kernel_call(a, n, v.guard)
-            if v.guard:
-                calls[f"v{n} no guard"] = kernel_call(a, n, False)
-        for path in args.variants:  # other texts of version 5's file, same launch (tuning experiments)
-            calls[f"v5 variant {Path(path).stem}"] = kernel_call(a, 5, True, source=Path(path).read_text())
+        for path in args.variants:  # other texts of version 8's file, same launch (tuning experiments)
+            calls[f"v{G} variant {Path(path).stem}"] = kernel_call(a, G, True, source=Path(path).read_text())
         calls["public call"] = lambda: vllmini.paged_attention(*data["paged"], scale, backend="cupy")
         if 4 in present:
             calls["public v4 + host check"] = lambda: vllmini.paged_attention(
@@ -260,7 +264,7 @@ def bench_shape(args, shape, repeats, flush, read_bw, bar, notes) -> list[dict]:
         bar.update()
     on_gpu = flush is not None
     if on_gpu and args.graphs:  # the same calls captured in a CUDA graph: the GPU's time without the host's
-        for b in [b for b in ("v5 kernel", "public call") if b in calls]:
+        for b in [b for b in (f"v{G} kernel", "public call") if b in calls]:
             calls[b]()  # warm (compiles, the error buffer) before capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
@@ -273,29 +277,28 @@ def bench_shape(args, shape, repeats, flush, read_bw, bar, notes) -> list[dict]:
             results[f"{b} (graph)"] = (time_fn(graph.replay, device, repeats, flush), err)
             del graph, captured
     if on_gpu:
-        if "v5 kernel" in results:  # the same kernel over an identity table: what paging costs
+        if f"v{G} kernel" in results:  # the same kernel over an identity table: what paging costs
             ident = make_dataset(batch, context, heads, kv_heads, head_size, dtype, block_size, device,
                                  args.seed, identity=True)  # fmt: skip
             a = validate_decode_args(*ident["paged"], scale)
-            results["v5 identity table"] = (
-                time_fn(kernel_call(a, 5, True), device, repeats, flush),
+            results[f"v{G} identity table"] = (
+                time_fn(kernel_call(a, G, True), device, repeats, flush),
                 float("nan"),
             )
             del ident, a
-        # the read ceiling at this byte count: a pure read of as many bytes as K and V
-        x = torch.ones(data["kv_bytes"] // 4, dtype=torch.float32, device=device)
-        results["read ceiling"] = (time_fn(x.sum, device, repeats, flush), float("nan"))
-        del x
+        # the read ceiling at this byte count: the plain read kernel over as many bytes as K and V
+        ceiling = read_ceiling_us(data["kv_bytes"] // 16 * 16, repeats, flush)
+        results["read ceiling"] = (ceiling, float("nan"))
         for bs in args.block_sizes if shape == args.sweep_shape else ():
-            if bs == block_size or "v5 kernel" not in results:
+            if bs == block_size or f"v{G} kernel" not in results:
                 continue
             other = make_dataset(batch, context, heads, kv_heads, head_size, dtype, bs, device, args.seed)
             a = validate_decode_args(*other["paged"], scale)
-            fn = kernel_call(a, 5, True)
+            fn = kernel_call(a, G, True)
             err = rel_err(fn(), ref)
             if not err <= MAX_REL_ERR[dtype]:
-                raise SystemExit(f"MISMATCH {label} v5 bs={bs}: relative L2 error {err:.2e}")
-            results[f"v5 kernel bs={bs}"] = (time_fn(fn, device, repeats, flush), err)
+                raise SystemExit(f"MISMATCH {label} v{G} bs={bs}: relative L2 error {err:.2e}")
+            results[f"v{G} kernel bs={bs}"] = (time_fn(fn, device, repeats, flush), err)
             del other, a
     rows = []
     base_t, torch_t = results["sdpa (contiguous)"][0], results["torch gather"][0]

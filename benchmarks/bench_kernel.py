@@ -13,8 +13,8 @@ L2 flushed (256 MB written) before every call.
 
 --compare OLD.cu also times another text of the same version's file on the same data, in the same run
 (the fair way to compare variants: timings move by 10-20% between runs on the same GPU), e.g.
-    git show HEAD~3:kernels/paged_attention_5_gqa_split.cu > /tmp/old.cu
-    python benchmarks/bench_kernel.py --dtype float16 --version 5 --compare /tmp/old.cu
+    git show HEAD~3:kernels/paged_attention_8_guard.cu > /tmp/old.cu
+    python benchmarks/bench_kernel.py --dtype float16 --version 8 --compare /tmp/old.cu
 bench_attention.py times every version side by side.
 """
 

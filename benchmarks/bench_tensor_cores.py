@@ -1,12 +1,12 @@
-"""Kernel 6 (GQA on tensor cores) against version 5 and cuDNN, side by side in one run.
+"""Kernel 9 (GQA on tensor cores) against version 8 and cuDNN, side by side in one run.
 
     python benchmarks/bench_tensor_cores.py                      # the GQA shapes of issue 24, fp16 and bf16
     python benchmarks/bench_tensor_cores.py --small --repeats 3  # a short run (e.g. under compute-sanitizer)
 
 Every output is checked against float64 first. Times: CUDA events, L2 flushed before each call, median of
---repeats calls. Rows: version 6 at several context splits, version 5 (its own launch plan, guard on), and
+--repeats calls. Rows: version 9 at several context splits, version 8 (its own launch plan, guard on), and
 cuDNN SDPA on a contiguous cache (the same K/V, no page table). TB/s counts the K and V bytes read once.
-Version 6 is launched here directly from its source (block 128, grid (num_seqs, num_heads / group,
+Version 9 is launched here directly from its source (block 128, grid (num_seqs, num_heads / group,
 splits)), so it runs before the package's launcher knows it.
 """
 
@@ -24,17 +24,17 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_attention import make_dataset, reference, rel_err  # noqa: E402
-from cuda_timing import median_us  # noqa: E402
+from cuda_timing import median_us, read_ceiling_us  # noqa: E402
 
 from vllmini import cuda_kernels  # noqa: E402
 from vllmini.cuda_kernels import kernel_error_buffer  # noqa: E402
 
-V6 = "paged_attention_6_tensor_cores"
+V9 = "paged_attention_9_tensor_cores"
 SUFFIX = {torch.float16: "_f16", torch.bfloat16: "_bf16"}
 _modules: dict = {}
 
 
-def v6_kernel(source: str, function: str, options: tuple[str, ...]):
+def v9_kernel(source: str, function: str, options: tuple[str, ...]):
     import cupy
 
     key = (hash(source), options)
@@ -43,8 +43,8 @@ def v6_kernel(source: str, function: str, options: tuple[str, ...]):
     return _modules[key].get_function(function)
 
 
-def v6_call(source: str, paged, scale: float, num_splits: int, error: torch.Tensor | None):
-    """A zero-argument callable launching version 6 (and its merge) on one dataset; returns the output."""
+def v9_call(source: str, paged, scale: float, num_splits: int, error: torch.Tensor | None):
+    """A zero-argument callable launching version 9 (and its merge) on one dataset; returns the output."""
     query, key_cache, value_cache, block_tables, seq_lens = paged
     num_seqs, num_heads, head_size = query.shape
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape
@@ -56,8 +56,8 @@ def v6_call(source: str, paged, scale: float, num_splits: int, error: torch.Tens
     rows16 = hpb > 8
     options = (f"-DVLLMINI_ONLY_HEAD={head_size}", f"-DVLLMINI_ONLY_ROWS16={int(rows16)}")
     suffix = SUFFIX[query.dtype]
-    kernel = v6_kernel(source, V6 + suffix, options)
-    merge = v6_kernel(source, f"{V6}_merge{suffix}", options)
+    kernel = v9_kernel(source, V9 + suffix, options)
+    merge = v9_kernel(source, f"{V9}_merge{suffix}", options)
     shared = 4 * (16 if rows16 else 8) * (head_size + 2) * 4
     out = torch.empty_like(query)
     part_out = part_ml = None
@@ -80,12 +80,12 @@ def v6_call(source: str, paged, scale: float, num_splits: int, error: torch.Tens
     return fn
 
 
-def v5_call(paged, scale: float):
+def v8_call(paged, scale: float):
     error = kernel_error_buffer(paged[0].device)
 
     def fn():
         out = torch.empty_like(paged[0])
-        return cuda_kernels.paged_attention_kernel(*paged, scale, out, "cupy", version=5, error=error)
+        return cuda_kernels.paged_attention_kernel(*paged, scale, out, "cupy", version=8, error=error)
 
     return fn
 
@@ -99,9 +99,9 @@ def time_us(fn, repeats: int, flush: torch.Tensor) -> float:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--source", default=str(Path(__file__).resolve().parent.parent / "kernels" / f"{V6}.cu"))
+    p.add_argument("--source", default=str(Path(__file__).resolve().parent.parent / "kernels" / f"{V9}.cu"))
     p.add_argument("--repeats", type=int, default=30)
-    p.add_argument("--splits", default="1,2,4", help="version 6 context splits to time")
+    p.add_argument("--splits", default="1,2,4", help="version 9 context splits to time")
     p.add_argument("--small", action="store_true", help="small shapes only (sanitizers)")
     p.add_argument("--variant", action="append", default=[], help="NAME=OLD=>NEW: a text edit of the source")
     p.add_argument(
@@ -110,7 +110,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     device = "cuda"
     base = Path(args.source).read_text()
-    sources = {"v6": base}
+    sources = {"v9": base}
     for v in args.variant:
         name, edit = v.split("=", 1)
         old, new = edit.split("=>")
@@ -126,12 +126,9 @@ def main(argv=None) -> None:
     dtypes = (torch.float16, torch.bfloat16)
     flush = torch.empty(2**26, dtype=torch.float32, device=device)  # 256 MB > L2
     if not args.small:
-        x = torch.ones(2**30, dtype=torch.float32, device=device)
-        read_us = time_us(x.sum, args.repeats, flush)
-        print(
-            f"read ceiling: torch.sum of 4 GiB float32: {read_us:.0f} us = {2**32 / read_us / 1e6:.2f} TB/s"
-        )
-        del x
+        read_us = read_ceiling_us(2**32, args.repeats, flush)
+        tbs = 2**32 / read_us / 1e6
+        print(f"read ceiling: the plain read kernel over 4 GiB: {read_us:.0f} us = {tbs:.2f} TB/s")
     print(f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {torch.cuda.get_device_name()}")
     print(f"{'shape':<26} {'dtype':<9} {'row':<20} {'us':>8} {'TB/s':>6} {'x cuDNN':>8} {'rel err':>9}")
     for dtype in dtypes:
@@ -151,10 +148,10 @@ def main(argv=None) -> None:
                 except RuntimeError as e:
                     print(f"cuDNN unavailable: {str(e)[:200]}")
                     del calls["cuDNN sdpa"]
-            calls["v5 kernel"] = v5_call(data["paged"], scale)
+            calls["v8 kernel"] = v8_call(data["paged"], scale)
             for name, src in sources.items():
                 for s in splits:
-                    calls[f"{name} splits={s}"] = v6_call(src, data["paged"], scale, s, error)
+                    calls[f"{name} splits={s}"] = v9_call(src, data["paged"], scale, s, error)
             results = {}
             for name, fn in calls.items():
                 if name == "cuDNN sdpa":

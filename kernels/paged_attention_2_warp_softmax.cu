@@ -49,7 +49,7 @@
 // (from L2 when lucky) -- the price of the simple grid.
 //
 // Version 2 of the course's kernels (kernels/paged_attention_<n>_<what it adds>.cu; version 1 is the
-// plain kernel of notebook 05): one thread block per (sequence, query head), warp-per-token scores with
+// plain kernel of notebook 05b): one thread block per (sequence, query head), warp-per-token scores with
 // an online softmax per warp and one cross-warp merge. Reads through the page table on the fly. float32,
 // float16 and bfloat16 inputs through one template. What it lacks is what later versions add: vector
 // loads (3), half-warp groups for 16-bit types (4), one block per KV head and split contexts (5).

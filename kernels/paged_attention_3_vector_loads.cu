@@ -262,22 +262,22 @@ __device__ void paged_attention_3_vector_loads_dispatch(
         for (int d = threadIdx.x; d < head_size; d += blockDim.x) out_row[d] = NAN;
         return;
     }
-#define VLLMINI_V1_CASE(D, T)                                                                                  \
+#define VLLMINI_CASE(D, T)                                                                                  \
     case D:                                                                                                    \
         paged_attention_3_vector_loads_impl<Dtype, D, T>(out, q, k_cache, v_cache, block_tables, seq_lens, block_size,     \
                                              num_heads, head_size, num_kv_heads, max_num_blocks_per_seq, scale); \
         break;
     switch ((head_size + WARP_SIZE - 1) / WARP_SIZE) {
-        VLLMINI_V1_CASE(1, 16)
-        VLLMINI_V1_CASE(2, 16)
-        VLLMINI_V1_CASE(3, 8)
-        VLLMINI_V1_CASE(4, 8)
-        VLLMINI_V1_CASE(5, 6)
-        VLLMINI_V1_CASE(6, 5)
-        VLLMINI_V1_CASE(7, 4)
-        VLLMINI_V1_CASE(8, 4)
+        VLLMINI_CASE(1, 16)
+        VLLMINI_CASE(2, 16)
+        VLLMINI_CASE(3, 8)
+        VLLMINI_CASE(4, 8)
+        VLLMINI_CASE(5, 6)
+        VLLMINI_CASE(6, 5)
+        VLLMINI_CASE(7, 4)
+        VLLMINI_CASE(8, 4)
     }
-#undef VLLMINI_V1_CASE
+#undef VLLMINI_CASE
 }
 
 // The entry points CuPy and the emulator look up by name, one per element type. vLLM's argument order,

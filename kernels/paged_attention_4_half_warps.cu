@@ -296,33 +296,33 @@ __device__ void paged_attention_4_half_warps_dispatch(
     paged_attention_4_half_warps_impl<Dtype, D, T, G>(out, q, k_cache, v_cache, block_tables, seq_lens, block_size,      \
                                             num_heads, head_size, num_kv_heads, max_num_blocks_per_seq, scale); \
     break;
-#define VLLMINI_V1_CASE(D, T) case D: VLLMINI_IMPL(D, T, 32)
-#define VLLMINI_V1_CASE16(D, T) case 2 * D: VLLMINI_IMPL(2 * D, T, 16)
+#define VLLMINI_CASE(D, T) case D: VLLMINI_IMPL(D, T, 32)
+#define VLLMINI_CASE16(D, T) case 2 * D: VLLMINI_IMPL(2 * D, T, 16)
     if constexpr (sizeof(typename Dtype::storage) == 4) {
         switch ((head_size + WARP_SIZE - 1) / WARP_SIZE) {
-            VLLMINI_V1_CASE(1, 16)
-            VLLMINI_V1_CASE(2, 16)
-            VLLMINI_V1_CASE(3, 8)
-            VLLMINI_V1_CASE(4, 8)
-            VLLMINI_V1_CASE(5, 6)
-            VLLMINI_V1_CASE(6, 5)
-            VLLMINI_V1_CASE(7, 4)
-            VLLMINI_V1_CASE(8, 4)
+            VLLMINI_CASE(1, 16)
+            VLLMINI_CASE(2, 16)
+            VLLMINI_CASE(3, 8)
+            VLLMINI_CASE(4, 8)
+            VLLMINI_CASE(5, 6)
+            VLLMINI_CASE(6, 5)
+            VLLMINI_CASE(7, 4)
+            VLLMINI_CASE(8, 4)
         }
     } else {
         switch (2 * ((head_size + WARP_SIZE - 1) / WARP_SIZE)) {  // dims per lane in a group of 16
-            VLLMINI_V1_CASE16(1, 16)
-            VLLMINI_V1_CASE16(2, 8)
-            VLLMINI_V1_CASE16(3, 5)
-            VLLMINI_V1_CASE16(4, 4)
-            VLLMINI_V1_CASE16(5, 3)
-            VLLMINI_V1_CASE16(6, 3)
-            VLLMINI_V1_CASE16(7, 2)
-            VLLMINI_V1_CASE16(8, 2)
+            VLLMINI_CASE16(1, 16)
+            VLLMINI_CASE16(2, 8)
+            VLLMINI_CASE16(3, 5)
+            VLLMINI_CASE16(4, 4)
+            VLLMINI_CASE16(5, 3)
+            VLLMINI_CASE16(6, 3)
+            VLLMINI_CASE16(7, 2)
+            VLLMINI_CASE16(8, 2)
         }
     }
-#undef VLLMINI_V1_CASE16
-#undef VLLMINI_V1_CASE
+#undef VLLMINI_CASE16
+#undef VLLMINI_CASE
 #undef VLLMINI_IMPL
 }
 

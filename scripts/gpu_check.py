@@ -236,7 +236,7 @@ def tier_engine(debug: bool = False):
 
 def kernel_driver(runtime: str = "cupy", only: str | None = None) -> int:
     """A few small launches of every kernel version through CuPy, each checked against float64
-    (sanitizers), version 5 also split and with its guard catching a bad id. runtime "emulator" runs
+    (sanitizers), versions 6-9 also split, 8-9 with their guard catching a bad id. runtime "emulator" runs
     the same on the CPU (to try the driver without a GPU). `only`: one version number."""
     import torch
 
@@ -250,18 +250,19 @@ def kernel_driver(runtime: str = "cupy", only: str | None = None) -> int:
         (2, 8, 2, 80, 8, (9, 33)),
         (1, 4, 1, 256, 1, (5,)),
     ]
-    # version 6 (16-bit, head sizes 64 and 128): a GQA group of 4 in 8 rows, a group of 16 in 16 rows
-    cases6 = [(3, 8, 2, 128, 16, (1, 17, 100)), (2, 16, 1, 64, 8, (9, 33))]
+    # version 9 (16-bit, head sizes 64 and 128): a GQA group of 4 in 8 rows, a group of 16 in 16 rows
+    cases_tc = [(3, 8, 2, 128, 16, (1, 17, 100)), (2, 16, 1, 64, 8, (9, 33))]
     device = "cuda" if runtime == "cupy" else "cpu"
     keys = ("query", "key_cache", "value_cache", "block_tables", "seq_lens")
     for n, version in sorted(cuda_kernels.kernel_versions().items()):
         if only is not None and n != int(only):
             continue
-        dtypes = (torch.float16, torch.bfloat16) if n == 6 else (torch.float32, torch.float16, torch.bfloat16)
-        for i, (params, dtype) in enumerate(zip(cases6 if n == 6 else cases, dtypes, strict=False)):
+        tc = version.has("tensor_cores")
+        dtypes = (torch.float16, torch.bfloat16) if tc else (torch.float32, torch.float16, torch.bfloat16)
+        for i, (params, dtype) in enumerate(zip(cases_tc if tc else cases, dtypes, strict=False)):
             if dtype not in version.dtypes:
                 continue
-            for splits in (None, 2) if n >= 5 else (None,):
+            for splits in (None, 2) if version.has("split_context") else (None,):
                 case = make_decode_case(100 + i, *params, dtype=dtype, device=device)
                 out = torch.empty_like(case["query"])
                 args = [case[k] for k in keys]
@@ -274,7 +275,7 @@ def kernel_driver(runtime: str = "cupy", only: str | None = None) -> int:
                 assert_close(out, reference_decode(case))
                 print(f"v{n} case {params} {dtype} splits={splits}: ok", flush=True)
         if version.guard:  # a bad id in use: never read (memcheck would see it), NaN rows, recorded
-            case = make_decode_case(110, *(cases6 if n == 6 else cases)[0], device=device,
+            case = make_decode_case(110, *(cases_tc if tc else cases)[0], device=device,
                                     dtype=version.dtypes[0])  # fmt: skip
             case["block_tables"][2, 3] = 10**8
             out = torch.empty_like(case["query"])

@@ -1,8 +1,8 @@
-"""Tests for kernel version 6 (kernels/paged_attention_6_tensor_cores.cu): GQA decode on tensor cores.
+"""Tests for kernel version 9 (kernels/paged_attention_9_tensor_cores.cu): GQA decode on tensor cores.
 
 1. the emulator's model of `mma.sync.aligned.m16n8k16` (vllmini/emulator/emu_mma.h) against a plain matrix
    product, one fragment layout at a time (A, B, C/D) and all together; a lane that skips it is an error;
-2. version 6 through the emulator against the float64 reference: random non-identity block tables, GQA
+2. version 9 through the emulator against the float64 reference: random non-identity block tables, GQA
    groups 1, 4 and 8 (and 16 rows), lengths on and around block boundaries, with and without splits, the
    in-kernel guard;
 3. the same on a GPU (marked gpu), where the mma test checks the layouts against the hardware.
@@ -19,7 +19,7 @@ from vllmini import cuda_kernels
 from vllmini.emulator import KernelError, RawKernel
 
 MMA_SOURCE = (Path(__file__).resolve().parent / "emulator_kernels" / "mma.cu").read_text()
-V6 = "paged_attention_6_tensor_cores"
+V9 = "paged_attention_9_tensor_cores"
 THREADS = 128
 SUFFIX = {torch.float16: "_f16", torch.bfloat16: "_bf16"}
 
@@ -92,7 +92,7 @@ def test_gpu_mma_matches_the_same_layouts(dtype):
     _check_mma("cupy", dtype)
 
 
-# ----------------------------------------------------------------------------- version 6
+# ----------------------------------------------------------------------------- version 9
 
 
 def heads_per_block(num_heads: int, num_kv_heads: int) -> int:
@@ -101,8 +101,8 @@ def heads_per_block(num_heads: int, num_kv_heads: int) -> int:
     return max(h for h in range(1, 17) if group % h == 0)
 
 
-def launch_v6(case: dict, runtime: str, num_splits: int = 1, error: torch.Tensor | None = None, hpb=None):
-    """Version 6 on a decode case, launched as kernels/paged_attention_6_tensor_cores.cu's header says."""
+def launch_v9(case: dict, runtime: str, num_splits: int = 1, error: torch.Tensor | None = None, hpb=None):
+    """Version 9 on a decode case, launched as kernels/paged_attention_9_tensor_cores.cu's header says."""
     query, key_cache = case["query"], case["key_cache"]
     num_seqs, num_heads, head_size = query.shape
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape
@@ -125,18 +125,18 @@ def launch_v6(case: dict, runtime: str, num_splits: int = 1, error: torch.Tensor
     merge_args = (raw[0], part_out, part_ml, np.int32(num_splits), np.int32(head_size))
     suffix = SUFFIX[query.dtype]
     if runtime == "cupy":
-        kernel = cuda_kernels._cupy_kernel(V6, V6 + suffix, query.device.index)
-        merge = cuda_kernels._cupy_kernel(V6, f"{V6}_merge{suffix}", query.device.index)
+        kernel = cuda_kernels._cupy_kernel(V9, V9 + suffix, query.device.index)
+        merge = cuda_kernels._cupy_kernel(V9, f"{V9}_merge{suffix}", query.device.index)
         cargs = [0 if a is None else a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
         kernel(grid, (THREADS,), tuple(cargs), shared_mem=shared)
         if num_splits > 1:
             merge((num_seqs, num_heads), (128,), tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a
                                                        for a in merge_args))  # fmt: skip
     else:
-        source = cuda_kernels.read_kernel_source(V6)
-        RawKernel(source, V6 + suffix, filename=f"{V6}.cu")(grid, (THREADS,), args, shared_mem=shared)
+        source = cuda_kernels.read_kernel_source(V9)
+        RawKernel(source, V9 + suffix, filename=f"{V9}.cu")(grid, (THREADS,), args, shared_mem=shared)
         if num_splits > 1:
-            RawKernel(source, f"{V6}_merge{suffix}", filename=f"{V6}.cu")(
+            RawKernel(source, f"{V9}_merge{suffix}", filename=f"{V9}.cu")(
                 (num_seqs, num_heads), (128,), merge_args
             )
     return out
@@ -148,7 +148,7 @@ def _lens(block_size: int) -> tuple[int, ...]:
 
 # (num_heads, num_kv_heads, head_size, block_size): groups 1, 4, 8 and 16 rows; head sizes 64 and 128;
 # block sizes below, equal to and above the 16-token step, and one not a power of two
-V6_SHAPES = [
+V9_SHAPES = [
     (2, 2, 64, 16),
     (8, 2, 128, 16),
     (8, 1, 64, 8),
@@ -159,28 +159,28 @@ V6_SHAPES = [
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
-@pytest.mark.parametrize("shape", V6_SHAPES, ids=lambda s: "h{}kv{}-d{}-bs{}".format(*s))
-def test_v6_emulator_matches_float64(shape, dtype):
+@pytest.mark.parametrize("shape", V9_SHAPES, ids=lambda s: "h{}kv{}-d{}-bs{}".format(*s))
+def test_v9_emulator_matches_float64(shape, dtype):
     nh, nkv, hs, bs = shape
     lens = _lens(bs)
     case = make_decode_case(hash(shape) % 1000, len(lens), nh, nkv, hs, bs, lens, dtype=dtype)
     ref = reference_decode(case)
-    assert_close(launch_v6(case, "emulator"), ref)
+    assert_close(launch_v9(case, "emulator"), ref)
     # split contexts: pieces of one or more pages, some past a short sequence's end
-    assert_close(launch_v6(case, "emulator", num_splits=3), ref)
+    assert_close(launch_v9(case, "emulator", num_splits=3), ref)
 
 
-def test_v6_emulator_heads_per_block_below_the_group():
+def test_v9_emulator_heads_per_block_below_the_group():
     case = make_decode_case(7, 2, 8, 1, 64, 16, (17, 33), dtype=torch.float16)
-    assert_close(launch_v6(case, "emulator", hpb=4), reference_decode(case))
+    assert_close(launch_v9(case, "emulator", hpb=4), reference_decode(case))
 
 
-def test_v6_emulator_guard_records_a_bad_page_and_never_reads_it():
+def test_v9_emulator_guard_records_a_bad_page_and_never_reads_it():
     case = make_decode_case(3, 3, 8, 2, 64, 16, (20, 33, 5), dtype=torch.float16)
     ref = reference_decode(case)
     case["block_tables"][1, 1] = 10**6  # a page id far past the pool
     error = torch.zeros(5, dtype=torch.int32)
-    out = launch_v6(case, "emulator", num_splits=2, error=error)
+    out = launch_v9(case, "emulator", num_splits=2, error=error)
     assert error.tolist() == [1, 1, 1, 10**6, case["num_blocks"]]
     assert out[1].isnan().all()
     assert_close(out[[0, 2]], ref[[0, 2]])
@@ -188,7 +188,7 @@ def test_v6_emulator_guard_records_a_bad_page_and_never_reads_it():
     case = make_decode_case(4, 2, 4, 1, 64, 16, (20, 5), dtype=torch.bfloat16)
     case["seq_lens"][0] = 1000
     error = torch.zeros(5, dtype=torch.int32)
-    out = launch_v6(case, "emulator", error=error)
+    out = launch_v9(case, "emulator", error=error)
     assert error.tolist() == [1, 0, -1, 1000, case["block_tables"].shape[1] * 16]
     assert out[0].isnan().all() and not out[1].isnan().any()
 
@@ -197,25 +197,25 @@ def test_v6_emulator_guard_records_a_bad_page_and_never_reads_it():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
 @pytest.mark.parametrize(
     "shape",
-    [*V6_SHAPES, (32, 8, 128, 16), (32, 4, 128, 16), (64, 8, 128, 16)],
+    [*V9_SHAPES, (32, 8, 128, 16), (32, 4, 128, 16), (64, 8, 128, 16)],
     ids=lambda s: "h{}kv{}-d{}-bs{}".format(*s),
 )
-def test_v6_gpu_matches_float64(shape, dtype):
+def test_v9_gpu_matches_float64(shape, dtype):
     nh, nkv, hs, bs = shape
     lens = (*_lens(bs), 1000)
     case = make_decode_case(hash(shape) % 1000, len(lens), nh, nkv, hs, bs, lens, dtype=dtype, device="cuda")
     ref = reference_decode(case)
     for num_splits in (1, 4):
-        assert_close(launch_v6(case, "cupy", num_splits=num_splits), ref)
+        assert_close(launch_v9(case, "cupy", num_splits=num_splits), ref)
 
 
 @pytest.mark.gpu
-def test_v6_gpu_guard():
+def test_v9_gpu_guard():
     case = make_decode_case(3, 3, 8, 2, 128, 16, (20, 33, 5), dtype=torch.float16, device="cuda")
     ref = reference_decode(case)
     case["block_tables"][1, 1] = -5
     error = torch.zeros(5, dtype=torch.int32, device="cuda")
-    out = launch_v6(case, "cupy", num_splits=2, error=error)
+    out = launch_v9(case, "cupy", num_splits=2, error=error)
     assert error.tolist() == [1, 1, 1, -5, case["num_blocks"]]
     assert out[1].isnan().all()
     assert_close(out[[0, 2]], ref[[0, 2]])

@@ -33,15 +33,15 @@ NVRTC_OPTIONS = ("--std=c++17",)
 DTYPE_SUFFIX = dict(zip(FLOAT_DTYPES, ("", "_f16", "_bf16"), strict=True))  # entry point name suffixes
 
 WARP_SIZE = 32
-MAX_HEAD_SIZE = 256  # versions 2-5: head_size / 32 floats per lane in registers
-TENSOR_CORE_HEAD_SIZES = (64, 128)  # version 6: one compiled copy per head size
+MAX_HEAD_SIZE = 256  # versions 2-8: head_size / 32 floats per lane in registers
+TENSOR_CORE_HEAD_SIZES = (64, 128)  # version 9: one compiled copy per head size
 TENSOR_CORE_ARCH = (8, 0)  # mma.sync m16n8k16 with bf16 inputs: sm_80 and newer
 MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
 DEFAULT_SHARED_BYTES = 48 * 1024  # dynamic shared memory a block gets without opting in
 MAX_SHARED_BYTES = 232448  # the most an H100/H200 block may opt into (227 KiB); less on older GPUs
 EMULATOR_SMS = 4  # the "multiprocessors" launch_plan assumes for the emulator (a CPU runs blocks one by one)
-SPLIT_TARGET_BLOCKS_PER_SM = 8  # version 5 splits contexts until the grid has this many blocks per SM
-TENSOR_CORE_BLOCKS_PER_SM = 3  # version 6: 168 registers x 128 threads, 3 blocks fit an SM
+SPLIT_TARGET_BLOCKS_PER_SM = 8  # versions 6-8 split contexts until the grid has this many blocks per SM
+TENSOR_CORE_BLOCKS_PER_SM = 3  # version 9: 168 registers x 128 threads, 3 blocks fit an SM
 MAX_TENSOR_CORE_SPLITS = 4
 MIN_SPLIT_TOKENS = 256  # no context piece shorter than this (the merge would cost more than it gains)
 MERGE_THREADS = 128
@@ -76,13 +76,13 @@ def read_kernel_source(name: str) -> str:
 
 @dataclass(frozen=True)
 class KernelVersion:
-    """One paged-attention kernel: kernels/paged_attention_<number>_<name>.cu and how to launch it."""
+    """One paged-attention kernel: kernels/paged_attention_<number>_<name>.cu and how to launch it. The chain
+    is cumulative: version n is version n - 1 plus the one idea its name says (`has` asks for an idea)."""
 
     number: int
-    name: str  # what the version adds, e.g. "half_warps"
+    name: str  # the one idea it adds, e.g. "half_warps"
     dtypes: tuple[torch.dtype, ...]  # element types it has entry points for
     threads: int  # threads per block
-    guard: bool  # checks page ids in the kernel, records the first bad one (kernel_error_buffer)
     summary: str  # one line: what it adds
 
     @property
@@ -94,17 +94,33 @@ class KernelVersion:
         """The entry point for an element type: the stem, then _f16 / _bf16 for 16-bit types."""
         return self.file + DTYPE_SUFFIX[dtype]
 
+    def has(self, idea: str) -> bool:
+        """Whether this version has `idea` (a version's name): its own, or an earlier version's."""
+        return self.number >= IDEAS[idea]
 
-# every version the course has, in order: (number, name, dtypes, threads, guard, summary)
+    @property
+    def guard(self) -> bool:
+        """Checks page ids and lengths in the kernel and records the first bad one (kernel_error_buffer)."""
+        return self.has("guard")
+
+
+# every version the course has, in order, each the previous one plus one idea: (number, name, dtypes, threads,
+# summary)
 VERSIONS: tuple[KernelVersion, ...] = tuple(KernelVersion(*row) for row in (
-    (1, "plain", (torch.float32,), 128, False, "scores in shared memory, three passes (notebook 05b)"),
-    (2, "warp_softmax", FLOAT_DTYPES, 256, False, "a warp per token, online softmax per warp"),
-    (3, "vector_loads", FLOAT_DTYPES, 256, False, "lanes own consecutive dims: 16-byte loads"),
-    (4, "half_warps", FLOAT_DTYPES, 256, False, "16-bit rows in half warps: 2 tokens a warp"),
-    (5, "gqa_split", FLOAT_DTYPES, 128, True, "a block per KV head, split contexts, fewer shuffles, guard"),
-    (6, "tensor_cores", FLOAT_DTYPES[1:], 128, True, "a GQA group packed into an mma tile: QK^T and P.V on "
-     "tensor cores"),
+    (1, "plain", (torch.float32,), 128, "scores in shared memory, three passes (notebook 05b)"),
+    (2, "warp_softmax", FLOAT_DTYPES, 256, "a warp per token, online softmax per warp"),
+    (3, "vector_loads", FLOAT_DTYPES, 256, "lanes own consecutive dims: 16-byte loads"),
+    (4, "half_warps", FLOAT_DTYPES, 256, "16-bit rows in half warps: 2 tokens a warp"),
+    (5, "kv_head_blocks", FLOAT_DTYPES, 256, "one block per KV head serves its query group"),
+    (6, "split_context", FLOAT_DTYPES, 256, "long contexts split over blocks, merged by log-sum-exp"),
+    (7, "fewer_instructions", FLOAT_DTYPES, 128, "transposed butterfly, one exp2 a lane, output in the input "
+     "dtype"),
+    (8, "guard", FLOAT_DTYPES, 128, "page ids and lengths checked in the kernel, without a host sync"),
+    (9, "tensor_cores", FLOAT_DTYPES[1:], 128, "a GQA group packed into an mma tile: QK^T and P.V on tensor "
+     "cores"),
 ))  # fmt: skip
+IDEAS = {v.name: v.number for v in VERSIONS}  # idea -> the version that adds it
+TENSOR_CORES = IDEAS["tensor_cores"]  # the version the auto rule picks for a 16-bit GQA group
 
 
 @functools.cache
@@ -124,14 +140,14 @@ def resolve_kernel_version(
     group: int = 1,
     tensor_cores: bool = True,
 ) -> KernelVersion:
-    """A KernelVersion from a number, a name ("half_warps"), a stem ("4_half_warps") or itself. None: 6
-    for a 16-bit GQA group of head size 64 or 128 on tensor cores (sm_80+, or the emulator), else 5."""
+    """A KernelVersion from a number, a name ("half_warps"), a stem ("4_half_warps") or itself. None: 9
+    for a 16-bit GQA group of head size 64 or 128 on tensor cores (sm_80+, or the emulator), else 8."""
     versions = kernel_versions()
     if version is None:
-        six = versions.get(6)
-        if six and dtype in six.dtypes and head_size in TENSOR_CORE_HEAD_SIZES and group > 1 and tensor_cores:
-            return six
-        usable = [v for n, v in versions.items() if n < 6 and (dtype is None or dtype in v.dtypes)]
+        tc = versions.get(TENSOR_CORES)
+        if tc and dtype in tc.dtypes and head_size in TENSOR_CORE_HEAD_SIZES and group > 1 and tensor_cores:
+            return tc
+        usable = [v for n, v in versions.items() if n < TENSOR_CORES and (dtype is None or dtype in v.dtypes)]
         if not usable:
             raise InvalidTypeError(f"no paged-attention kernel takes {dtype}, only {FLOAT_DTYPES}")
         return usable[-1]
@@ -156,12 +172,12 @@ def resolve_kernel_version(
 
 @functools.cache
 def has_tensor_cores(device_index: int) -> bool:
-    """True when the CUDA device runs version 6's mma.sync m16n8k16 (sm_80 or newer; asked once)."""
+    """True when the CUDA device runs version 9's mma.sync m16n8k16 (sm_80 or newer; asked once)."""
     return torch.cuda.get_device_capability(device_index) >= TENSOR_CORE_ARCH
 
 
 class LaunchPlan(NamedTuple):
-    """How one call launches a version: the main kernel's shape and, for versions 5-6, its work split."""
+    """How one call launches a version: the main kernel's shape and, from version 5, its work split."""
 
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
@@ -169,7 +185,7 @@ class LaunchPlan(NamedTuple):
     heads_per_block: int  # query heads one block serves (a GQA group, or part of one)
     num_splits: int  # context pieces per (sequence, head block); > 1 adds the merge kernel
     pages_per_split: int
-    options: tuple[str, ...]  # extra NVRTC options (versions 5-6 compile one copy per module)
+    options: tuple[str, ...]  # extra NVRTC options (versions 7-9 compile one copy per module)
 
 
 @functools.cache
@@ -193,9 +209,9 @@ def launch_plan(
     max_seq_len: int | None = None,
 ) -> LaunchPlan:
     """The launch of `version` on `sms` multiprocessors (cached; notebook 07 tells the rule): a block per
-    (sequence, query head) for 1-4, per (sequence, heads of a group, context piece) for 5-6."""
+    (sequence, query head) for 1-4, per (sequence, heads of a group) from 5, per context piece too from 6."""
     chunks, block = cdiv(head_size, WARP_SIZE), (version.threads, 1, 1)  # 32-dim chunks of a head
-    if version.number < 5:
+    if not version.has("kv_head_blocks"):
         if version.number == 1:
             shared_mem = (max_num_blocks_per_seq * block_size + version.threads) * 4  # scores + scratch
         else:
@@ -204,13 +220,17 @@ def launch_plan(
     group = num_heads // num_kv_heads
     longest = max_num_blocks_per_seq * block_size if max_seq_len is None else max_seq_len
     used = min(cdiv(longest, block_size), max_num_blocks_per_seq)  # the pages the pieces cover
-    if version.number == 5:
-        sixteen = dtype != torch.float32
+    sixteen = dtype != torch.float32
+    if not version.has("tensor_cores"):
         hb_max = 1 if group == 1 else (2 if sixteen and chunks > 4 else 4)
         heads_per_block = max(h for h in (4, 2, 1) if h <= hb_max and group % h == 0)
-        compiled_hb = 1 if heads_per_block == 1 else hb_max  # the copy's HBMAX (registers, shared memory)
-        shared_mem = (version.threads // (16 if sixteen else 32)) * compiled_hb * (head_size + 2) * 4
-        options = (f"-DVLLMINI_ONLY_CHUNKS={chunks}", f"-DVLLMINI_ONLY_GQA={int(heads_per_block > 1)}")
+        lane_groups = version.threads // (16 if sixteen else 32)
+        if version.has("fewer_instructions"):  # shared memory strided by the compiled copy's HBMAX
+            compiled_hb = 1 if heads_per_block == 1 else hb_max
+            shared_mem = lane_groups * compiled_hb * (head_size + 2) * 4
+            options = (f"-DVLLMINI_ONLY_CHUNKS={chunks}", f"-DVLLMINI_ONLY_GQA={int(heads_per_block > 1)}")
+        else:
+            shared_mem, options = lane_groups * heads_per_block * (head_size + 2) * 4, ()
         slots = SPLIT_TARGET_BLOCKS_PER_SM * sms
     else:
         heads_per_block = max(h for h in range(1, 17) if group % h == 0)
@@ -219,8 +239,10 @@ def launch_plan(
         options = (f"-DVLLMINI_ONLY_HEAD={head_size}", f"-DVLLMINI_ONLY_ROWS16={int(rows16)}")
         slots = TENSOR_CORE_BLOCKS_PER_SM * sms
     blocks = num_seqs * (num_heads // heads_per_block)
-    if num_splits is None:
-        num_splits = _num_splits(version.number, blocks, slots, longest)
+    if not version.has("split_context"):
+        num_splits = 1
+    elif num_splits is None:
+        num_splits = _num_splits(version, blocks, slots, longest)
     num_splits = max(1, min(num_splits, used))
     pages_per_split = cdiv(used, num_splits)
     num_splits = cdiv(used, pages_per_split)  # no empty piece at the end
@@ -228,10 +250,10 @@ def launch_plan(
     return LaunchPlan(grid, block, shared_mem, heads_per_block, num_splits, pages_per_split, options)
 
 
-def _num_splits(number: int, blocks: int, slots: int, longest: int) -> int:
-    """Context pieces for `blocks` on `slots` resident blocks (version 6: one wave, or the fullest last)."""
+def _num_splits(version: KernelVersion, blocks: int, slots: int, longest: int) -> int:
+    """Context pieces for `blocks` on `slots` resident blocks (version 9: one wave, or the fullest last)."""
     most = max(1, longest // MIN_SPLIT_TOKENS)
-    if number == 5:
+    if not version.has("tensor_cores"):
         return 1 if blocks >= slots else min(cdiv(slots, blocks), most)
     if blocks <= slots:  # one wave or less: fill it
         return max(1, min(slots // blocks, most))
@@ -395,7 +417,8 @@ class PreparedCall(NamedTuple):
     ints: tuple[int, ...]  # the main kernel's int32 arguments, in its signature's order
     part_floats: int  # floats of part_out and part_ml together, 0 without a split
     device: torch.device
-    number: int  # the kernel version
+    kernel: KernelVersion
+    head_size: int
 
     def run(self, inputs: tuple, out: torch.Tensor, error: torch.Tensor | None, scale: float) -> torch.Tensor:
         """Allocate the split's partials, gather the pointers, launch on torch's current stream: fills out."""
@@ -403,28 +426,30 @@ class PreparedCall(NamedTuple):
         if (query.data_ptr() | key_cache.data_ptr() | value_cache.data_ptr()) & 15:
             # the kernels read 16-byte vectors: a view that starts mid-row (an odd storage offset) is copied
             inputs = tuple(t if t.data_ptr() % 16 == 0 else t.clone() for t in inputs)
-        pointers, plan, device = [t.data_ptr() for t in inputs], self.plan, self.device
+        plan, device, kernel = self.plan, self.device, self.kernel
         out_raw, part_out, part_ml = out, 0, 0
-        if self.number < 5:  # versions 1-4 write float32: a 16-bit out is rounded once, after
-            out_raw = out if out.dtype == torch.float32 else torch.empty(out.shape, device=device)
-            values = (out_raw.data_ptr(), *pointers, *self.ints, scale)
-        else:
+        if out.dtype != torch.float32 and not kernel.has("fewer_instructions"):
+            out_raw = torch.empty(out.shape, device=device)  # versions 1-6 write float32: rounded once, after
+        values = [out_raw.data_ptr()]
+        if kernel.has("split_context"):
             if self.merge is not None:
                 part = torch.empty(self.part_floats, dtype=torch.float32, device=device)  # part_out, part_ml
                 part_out = part.data_ptr()
-                part_ml = part_out + 4 * self.part_floats // (self.ints[3] + 2) * self.ints[3]
-            err = 0 if error is None else error.data_ptr()
-            values = (out.data_ptr(), part_out, part_ml, *pointers, err, *self.ints, scale)
+                part_ml = part_out + 4 * self.part_floats // (self.head_size + 2) * self.head_size
+            values += (part_out, part_ml)
+        values += [t.data_ptr() for t in inputs]
+        if kernel.guard:
+            values.append(0 if error is None else error.data_ptr())
         stream = 0
         if device.type == "cuda":
             if torch.cuda.current_device() != device.index:
                 with torch.cuda.device(device.index):  # the kernels belong to the device's context
                     return self.run(inputs, out, error, scale)
             stream = _raw_stream(device.index)
-        self.main(plan.grid, plan.block, plan.shared_mem, stream, *values)
+        self.main(plan.grid, plan.block, plan.shared_mem, stream, *values, *self.ints, scale)
         if self.merge is not None:
             grid = (plan.grid[0], plan.grid[1] * plan.heads_per_block, 1)  # (sequence, query head)
-            merge_values = (out.data_ptr(), part_out, part_ml, plan.num_splits, self.ints[3])
+            merge_values = (out_raw.data_ptr(), part_out, part_ml, plan.num_splits, self.head_size)
             self.merge(grid, (MERGE_THREADS, 1, 1), 0, stream, *merge_values)
         if out_raw is not out:
             out.copy_(out_raw)
@@ -437,16 +462,21 @@ def plan_call(
 ) -> PreparedCall | None:
     """The plan half of a call, once per shape: its checks, plan, kernels, int arguments (None: no seqs)."""
     (num_seqs, num_heads, head_size), (num_blocks, block_size, num_kv_heads, _) = q_shape, kc_shape
-    if kernel.number == 6 and head_size not in TENSOR_CORE_HEAD_SIZES:
-        raise InvalidArgumentError(f"kernel version 6 supports head_size 64 or 128, got {head_size}")
+    tensor_cores = kernel.has("tensor_cores")
+    if tensor_cores and head_size not in TENSOR_CORE_HEAD_SIZES:
+        raise InvalidArgumentError(
+            f"kernel version {kernel.number} supports head_size 64 or 128, got {head_size}"
+        )
     if kernel.number > 1 and head_size > MAX_HEAD_SIZE:
         raise InvalidArgumentError(
             f"kernel version {kernel.number}: head_size <= {MAX_HEAD_SIZE}, got {head_size}"
         )
     if num_heads > MAX_GRID_YZ:
         raise InvalidArgumentError(f"num_heads must be <= {MAX_GRID_YZ} (gridDim.y), got {num_heads}")
-    if runtime == "cupy" and kernel.number == 6 and not has_tensor_cores(device.index):
-        raise InvalidArgumentError(f"kernel version 6 needs tensor cores (sm_80+); {device} has none")
+    if runtime == "cupy" and tensor_cores and not has_tensor_cores(device.index):
+        raise InvalidArgumentError(
+            f"kernel version {kernel.number} needs tensor cores (sm_80+); {device} has none"
+        )
     if max_seq_len is not None:
         max_seq_len = as_int(max_seq_len, "max_seq_len", min=1, max=width * block_size)
     if num_seqs == 0:
@@ -459,21 +489,24 @@ def plan_call(
             f"kernel version {kernel.number} needs {plan.shared_mem} bytes of shared memory for a block "
             f"table of {width} x {block_size} tokens; at most {MAX_SHARED_BYTES} (H100/H200)"
         )
-    ints = (block_size, num_heads, head_size, num_kv_heads, width)
-    if kernel.number >= 5:
-        ints = (num_blocks, *ints, plan.heads_per_block, plan.pages_per_split)
-    split = kernel.number >= 5 and plan.num_splits > 1
-    names = (kernel.function(dtype), f"{kernel.file}_merge{DTYPE_SUFFIX[dtype]}" if split else None)
-    file, index = kernel.file, device.index
+    # the arguments each idea adds to the signature: (num_blocks), heads_per_block, pages_per_split
+    ints = (num_blocks,) * kernel.guard + (block_size, num_heads, head_size, num_kv_heads, width)
+    ints += (plan.heads_per_block,) * kernel.has("kv_head_blocks") + (plan.pages_per_split,) * kernel.has(
+        "split_context"
+    )
+    split = plan.num_splits > 1
+    merge_name = f"{kernel.file}_merge" + (DTYPE_SUFFIX[dtype] if kernel.has("fewer_instructions") else "")
+    names, file, index = (kernel.function(dtype), merge_name if split else None), kernel.file, device.index
     if runtime == "emulator":
         main, merge = (name and functools.partial(_emulated, _emulator_kernel(file, name)) for name in names)
-    else:  # versions 5-6: plan.options pick one copy of the kernel per module
+    else:  # from version 7: plan.options pick one copy of the kernel per module
         main, merge = (name and _cupy_kernel(file, name, index, source, plan.options) for name in names)
         if plan.shared_mem > DEFAULT_SHARED_BYTES and main.max_dynamic_shared_size_bytes < plan.shared_mem:
             main.max_dynamic_shared_size_bytes = plan.shared_mem  # opt in (raises if the GPU has less)
-        main, merge = _Packer(main, 9 if kernel.number >= 5 else 6, len(ints)), merge and _Packer(merge, 3, 2)
+        pointers = 6 + 2 * kernel.has("split_context") + kernel.guard  # out, (partials), inputs, (error)
+        main, merge = _Packer(main, pointers, len(ints)), merge and _Packer(merge, 3, 2)
     part_floats = num_seqs * num_heads * plan.num_splits * (head_size + 2) if split else 0
-    return PreparedCall(plan, main, merge, ints, part_floats, device, kernel.number)
+    return PreparedCall(plan, main, merge, ints, part_floats, device, kernel, head_size)
 
 
 class _Packer:

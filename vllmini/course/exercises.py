@@ -18,6 +18,7 @@ import torch
 from vllmini.allocator import BlockAllocator
 from vllmini.checks import cdiv
 from vllmini.course import memory
+from vllmini.course.kernel_plots import H200_READ_BW
 from vllmini.errors import VllminiError
 
 GiB = 2**30
@@ -328,7 +329,7 @@ def roofline_answer(batch: int, seq_len: int, heads: int, kv_heads: int, head_si
 
 
 def check_decode_roofline(
-    kv_bytes: int, ceiling_us: float, intensity: float, read_bw: float = 4.4e12
+    kv_bytes: int, ceiling_us: float, intensity: float, read_bw: float = H200_READ_BW
 ) -> None:
     """Exercise 07.1: shape (e), 64 sequences x 4096 tokens, 32 query heads sharing 8 KV heads, head size
     128, float16: the bytes one decode step reads, its time at the read ceiling, its FLOP per byte."""

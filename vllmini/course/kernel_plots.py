@@ -1,5 +1,6 @@
-"""Kernel pictures (notebook 07): the decode roofline, how versions split the work, version 5's transposed
-butterfly and split-context merge, recorded bandwidth per shape, and the tensor core's mma fragments."""
+"""Kernel pictures (notebook 07): the decode roofline, how versions split the work, version 7's transposed
+butterfly and version 6's split-context merge, recorded bandwidth per shape, and the
+tensor core's mma fragments."""
 
 from __future__ import annotations
 
@@ -7,6 +8,10 @@ from typing import TYPE_CHECKING
 
 from vllmini.course.style import PALETTE
 from vllmini.errors import InvalidArgumentError
+
+# The H200's read ceiling, bytes/s: kernels/read_ceiling.cu (16-byte loads) reading 4 GB, measured with
+# benchmarks/bench_read_ceiling.py on 2026-12-02 (benchmarks/RESULTS.md). Every kernel is measured against it.
+H200_READ_BW = 4.49e12
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -251,7 +256,7 @@ def plot_transposed_butterfly(parts, *, lane: int = 0, figsize=(11, 4.2)) -> Fig
 
 def split_merge(scores, values, pieces: int) -> dict:
     """One query over one context of len(scores) tokens cut into `pieces` consecutive pieces (the last may
-    be shorter), as version 5's split blocks see it: each piece's m_i = max score, l_i = sum exp(s - m_i)
+    be shorter), as version 6's split blocks see it: each piece's m_i = max score, l_i = sum exp(s - m_i)
     and o_i = its normalized output; then M = max m_i, w_i = l_i e^(m_i - M) / sum_j l_j e^(m_j - M) and
     out = sum w_i o_i. float64 throughout."""
     import numpy as np

@@ -1,54 +1,46 @@
-// paged_attention_5_gqa_split.cu -- decode attention through the page table, built for bandwidth.
+// paged_attention_7_fewer_instructions.cu -- decode attention through the page table, fewer instructions per token.
 //
 // What it computes is what every paged_attention_<n>_*.cu computes (see paged_attention_4_half_warps.cu):
 //     out[s][h] = softmax(scale * q[s][h] . k_t over t < seq_lens[s]) @ v_t,
 //     k_t, v_t = key_cache/value_cache[block_tables[s][t / block_size]][t % block_size][h / group]
-// What it adds to version 4:
-//   * one thread block per KV head: the `heads_per_block` query heads of a GQA group that share a KV
-//     head are served by one block, so each K and V row is read from memory and widened to float once
-//     per KV head, not once per query head (vLLM reads it once per query head; FlashInfer and
-//     FlashDecoding serve the whole group);
-//   * split contexts (FlashDecoding, vLLM's paged_attention_v2): when the batch does not fill the GPU
-//     the context is cut into `num_splits` = gridDim.z pieces of `pages_per_split` pages, each block
-//     writes its part's normalized output and (max, sum) in the log2 domain, and the merge kernel below
-//     combines them by log-sum-exp;
-//   * fewer instructions per token: a group's TOKENS partial dot products are summed by a "transposed"
-//     butterfly (each shuffle step halves the number of values a lane carries, so TOKENS tokens cost
-//     TOKENS - 1 + log2(GROUP / TOKENS) shuffles instead of TOKENS * log2(GROUP)), after which each
-//     lane holds ONE token's score: one exp2 per lane per step instead of one per token, the scale and
-//     log2(e) folded into q once, the page looked up once per step, shifts instead of divisions for
-//     power-of-two block sizes, K and V kept as raw 16-bit words until used;
-//   * the in-kernel guard: with `error` != nullptr every page id is checked as it is loaded; a bad one
-//     is never dereferenced (page 0 is read instead), its sequence's output rows become NaN, and the
-//     first violation is recorded in error[0..4] = {1, sequence, table entry, value, limit} (entry -1:
-//     seq_lens[sequence] = value is outside 1 .. limit). vllmini.attention.check_kernel_errors() reads
-//     it. With error == nullptr the caller vouches for the tables (validated on the host).
+// with one thread block per KV head serving its GQA group (version 5) and split contexts merged by
+// log-sum-exp (version 6), as version 6 does.
+// What it adds to version 6 (paged_attention_6_split_context.cu): fewer instructions per token.
+//   * a group's TOKENS partial dot products are summed by a "transposed" butterfly (each shuffle step
+//     halves the number of values a lane carries, so TOKENS tokens cost TOKENS - 1 + log2(GROUP / TOKENS)
+//     shuffles instead of TOKENS * log2(GROUP)), after which each lane holds ONE token's score: one exp2
+//     per lane per step instead of one per token;
+//   * the scale and log2(e) folded into q once: scores come out in the log2 domain, every exponential
+//     is one exp2;
+//   * the page looked up once per step, shifts instead of divisions for power-of-two block sizes;
+//   * K and V kept as raw 16-bit words until used;
+//   * 128 threads per block with __launch_bounds__;
 //   * the output written in the input's dtype (no extra float32 buffer and cast kernel).
+//
+// Like version 4 it trusts its inputs: the host validates seq_lens and every page id before the launch
+// (vllmini.attention), and a block table entry is read and dereferenced as it is (checking them in the
+// kernel is version 8's one idea). The one thing this kernel still makes safe, for one min and one max,
+// is the length: seq_lens[s] is clamped into 0 .. max_num_blocks_per_seq * block_size, so no read leaves
+// the sequence's table row, and a length of 0 or less gives an output row of zeros.
 //
 // Shapes (contiguous): out [num_seqs, num_heads, head_size] in the input dtype (float32 or 16-bit bits);
 // part_out float32 [num_seqs, num_heads, num_splits, head_size] and part_ml float32 [..., num_splits, 2]
 // (only read and written when num_splits > 1; may be null otherwise); query [num_seqs, num_heads,
 // head_size]; key_cache/value_cache [num_blocks, block_size, num_kv_heads, head_size]; block_tables
-// int32 [num_seqs, max_num_blocks_per_seq]; seq_lens int32 [num_seqs]; error int32 [5] or null.
+// int32 [num_seqs, max_num_blocks_per_seq]; seq_lens int32 [num_seqs].
 //
-// Launch (vllmini.cuda_kernels.launch_config): grid = (num_seqs, num_heads / heads_per_block,
-// num_splits), block = 128 threads (4 warps), dynamic shared memory = (128 / GROUP) * HBMAX *
-// (head_size + 2) * 4 bytes, GROUP = 32 lanes per token row for float32 and 16 for 16-bit types,
-// HBMAX = 1 when heads_per_block is 1, else 4 (2 for 16-bit head sizes above 128). heads_per_block
-// divides num_heads / num_kv_heads. Then, when num_splits > 1, the merge kernel with grid (num_seqs,
-// num_heads) and 128 threads.
+// Launch (vllmini/cuda_kernels.py): grid = (num_seqs, num_heads / heads_per_block, num_splits),
+// block = 128 threads (4 warps), dynamic shared memory = (128 / GROUP) * HBMAX * (head_size + 2) * 4
+// bytes, GROUP = 32 lanes per token row for float32 and 16 for 16-bit types, HBMAX = 1 when
+// heads_per_block is 1, else 4 (2 for 16-bit head sizes above 128). heads_per_block divides
+// num_heads / num_kv_heads. Then, when num_splits > 1, the merge kernel with grid (num_seqs, num_heads)
+// and 128 threads.
 //
 // Lane layout (as version 4): a group of GROUP lanes holds one token row, lane l owning the DIMS
 // consecutive dims l*DIMS ..; a warp holds 32 / GROUP rows; each group takes TOKENS consecutive tokens
 // per step and loads all their K and V rows before it uses any.
 //
 // Limits: head_size <= 256, any block size (powers of two take the shift path), blockDim.x = 128.
-//
-// Measured (H200, head size 128, benchmarks/RESULTS.md, 2026-12-01): 99-101% of the pure-read ceiling on
-// batched multi-head shapes in float16, bfloat16 and float32 (within 3% of cuDNN on a contiguous cache);
-// one 32k-token sequence 91% (33 pieces); GQA 32q/8kv in 16-bit 68%: its 4 heads' FMAs on the CUDA
-// cores and 157 registers (3 blocks per SM) make it issue-bound -- tensor cores are the next step.
-// -Xptxas -v (one head-size copy): 128 registers 16-bit MHA, 118 float32, 157 16-bit GQA; no spills.
 
 #define WARP_SIZE 32
 #define MAX_HEAD_SIZE 256
@@ -183,52 +175,25 @@ __device__ __forceinline__ void load_words(const typename Dtype::storage* __rest
     }
 }
 
-// ----------------------------------------------------------------------------- the guard
-
-// Record the first violation (sequence, table entry or -1 for seq_lens, value, limit); later ones are
-// dropped. The host reads it after the launch (check_kernel_errors), so no fence is needed between the
-// flag and the fields.
-__device__ __forceinline__ void record_error(int* error, int seq, int entry, int value, int limit) {
-    if (atomicCAS(error, 0, 1) == 0) {
-        error[1] = seq;
-        error[2] = entry;
-        error[3] = value;
-        error[4] = limit;
-    }
-}
-
-// block_tables[seq][idx], checked when the guard is on: a bad id is recorded, marks the sequence bad
-// and is replaced by page 0, so it is never dereferenced.
-__device__ __forceinline__ int load_page(const int* __restrict__ table, int idx, int num_blocks, int* error, int seq,
-                                         bool& bad) {
-    int page = table[idx];
-    if (error != nullptr && (unsigned int)page >= (unsigned int)num_blocks) {
-        record_error(error, seq, idx, page, num_blocks);
-        bad = true;
-        page = 0;
-    }
-    return page;
-}
-
 // ----------------------------------------------------------------------------- one (sequence, head block, split)
 
 extern __shared__ float smem[];
 
 // The launch's arguments (shapes in the header), as the extern "C" entry points at the end receive them;
-// attend, dispatch and entry take them (VLLMINI_V5_PARAMS, T = the element's storage type) and pass them
-// on (VLLMINI_V5_ARGS) in this one order.
-#define VLLMINI_V5_PARAMS(T)                                                                                     \
+// attend, dispatch and entry take them (VLLMINI_PARAMS, T = the element's storage type) and pass them
+// on (VLLMINI_ARGS) in this one order.
+#define VLLMINI_PARAMS(T)                                                                                     \
     T* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_ml, const T* __restrict__ query,  \
         const T* __restrict__ key_cache, const T* __restrict__ value_cache, const int* __restrict__ block_tables, \
-        const int* __restrict__ seq_lens, int* error, const int num_blocks, const int block_size,               \
+        const int* __restrict__ seq_lens, const int block_size,                                                 \
         const int num_heads, const int head_size, const int num_kv_heads, const int max_num_blocks_per_seq,     \
         const int heads_per_block, const int pages_per_split, const float scale
-#define VLLMINI_V5_ARGS                                                                                          \
-    out, part_out, part_ml, query, key_cache, value_cache, block_tables, seq_lens, error, num_blocks, block_size, \
+#define VLLMINI_ARGS                                                                                          \
+    out, part_out, part_ml, query, key_cache, value_cache, block_tables, seq_lens, block_size,                    \
         num_heads, head_size, num_kv_heads, max_num_blocks_per_seq, heads_per_block, pages_per_split, scale
 
 template <typename Dtype, int DIMS, int TOKENS, int GROUP, int HBMAX>
-__device__ void attend(VLLMINI_V5_PARAMS(typename Dtype::storage)) {
+__device__ void attend(VLLMINI_PARAMS(typename Dtype::storage)) {
     typedef typename Dtype::storage T;
     constexpr int W = DIMS / Dtype::PER_WORD;      // raw words per lane per row
     constexpr int ROWS = WARP_SIZE / GROUP;         // token rows a warp holds at once
@@ -247,15 +212,9 @@ __device__ void attend(VLLMINI_V5_PARAMS(typename Dtype::storage)) {
     constexpr int NUM_GROUPS = NUM_THREADS / GROUP;
     const int group_base = (threadIdx.x % WARP_SIZE) - lane;  // this group's first lane in the warp
 
-    // The sequence's length, checked (a bad one reads nothing and gives NaN rows).
-    bool bad = false;
-    int seq_len = seq_lens[seq];
-    const int max_len = max_num_blocks_per_seq * block_size;
-    if (seq_len < 1 || seq_len > max_len) {
-        if (error != nullptr && threadIdx.x == 0 && split == 0) record_error(error, seq, -1, seq_len, max_len);
-        bad = true;
-        seq_len = 0;
-    }
+    // The sequence's length (checked by the host), clamped so that no read leaves the table row: 0 reads
+    // nothing and gives a row of zeros.
+    const int seq_len = min(max(seq_lens[seq], 0), max_num_blocks_per_seq * block_size);
     const int split_len = pages_per_split * block_size;
     const int t_begin = split * split_len;
     const int t_end = min(seq_len, t_begin + split_len);
@@ -307,7 +266,7 @@ __device__ void attend(VLLMINI_V5_PARAMS(typename Dtype::storage)) {
         const int t_last = min(start + TOKENS - 1, t_end - 1);
         const int i_first = shift >= 0 ? t_first >> shift : t_first / block_size;
         const int i_last = shift >= 0 ? t_last >> shift : t_last / block_size;
-        const int page_first = load_page(table, i_first, num_blocks, error, seq, bad);
+        const int page_first = table[i_first];
         // 2) Every K and V row of the step, loaded before any is used (past the end: the last real token
         //    again, scored -inf below).
         unsigned int k[TOKENS][W], v[TOKENS][W];
@@ -322,8 +281,7 @@ __device__ void attend(VLLMINI_V5_PARAMS(typename Dtype::storage)) {
                 idx = t / block_size;
                 slot = t - idx * block_size;
             }
-            const int page = (i_first == i_last || idx == i_first) ? page_first
-                                                                   : load_page(table, idx, num_blocks, error, seq, bad);
+            const int page = (i_first == i_last || idx == i_first) ? page_first : table[idx];
             const long long offset = page * page_stride + slot * token_stride;
             load_words<Dtype, DIMS, GROUP>(k_base + offset, lane, head_size, k[u]);
             load_words<Dtype, DIMS, GROUP>(v_base + offset, lane, head_size, v[u]);
@@ -427,7 +385,7 @@ __device__ void attend(VLLMINI_V5_PARAMS(typename Dtype::storage)) {
             if (d < head_size) group_acc[(group * HBMAX + h) * head_size + d] = acc[h][i];
         }
     }
-    bad = __syncthreads_or(bad);  // every group's partial result is in shared memory; any bad page?
+    __syncthreads();  // every group's partial result is in shared memory
 
     for (int e = threadIdx.x; e < heads_per_block * head_size; e += NUM_THREADS) {
         const int h = e / head_size, d = e - h * head_size;
@@ -443,13 +401,13 @@ __device__ void attend(VLLMINI_V5_PARAMS(typename Dtype::storage)) {
         const long long row = (long long)seq * num_heads + head0 + h;  // (sequence, query head)
         if (num_splits == 1) {
             // no finite score at all (every one -inf): attend to nothing, 0, as the torch backend does
-            out[row * head_size + d] = Dtype::from_float(bad ? NAN : (denom == 0.0f ? 0.0f : numer / denom));
+            out[row * head_size + d] = Dtype::from_float(denom == 0.0f ? 0.0f : numer / denom);
         } else {
             // an empty split (past the end of a shorter sequence) has denom 0: weight 0 in the merge
-            part_out[(row * num_splits + split) * head_size + d] = bad ? NAN : (denom > 0.0f ? numer / denom : 0.0f);
+            part_out[(row * num_splits + split) * head_size + d] = denom > 0.0f ? numer / denom : 0.0f;
             if (d == 0) {
                 part_ml[(row * num_splits + split) * 2] = mx;
-                part_ml[(row * num_splits + split) * 2 + 1] = bad ? NAN : denom;
+                part_ml[(row * num_splits + split) * 2 + 1] = denom;
             }
         }
     }
@@ -460,7 +418,7 @@ __device__ void attend(VLLMINI_V5_PARAMS(typename Dtype::storage)) {
 // raw words of K (and as many of V) per lane in flight; a block serving a GQA group (HBMAX > 1) keeps
 // fewer, for the registers its queries and accumulators take.
 template <typename Dtype, bool GQA>
-__device__ void dispatch(VLLMINI_V5_PARAMS(typename Dtype::storage)) {
+__device__ void dispatch(VLLMINI_PARAMS(typename Dtype::storage)) {
     if (head_size > MAX_HEAD_SIZE || head_size < 1) {  // refused by the host
         for (int e = threadIdx.x; e < heads_per_block * head_size; e += blockDim.x)
             out[((long long)blockIdx.x * num_heads + blockIdx.y * heads_per_block) * head_size + e] =
@@ -470,7 +428,7 @@ __device__ void dispatch(VLLMINI_V5_PARAMS(typename Dtype::storage)) {
 #define VLLMINI_IMPL(C, D, T, G, H)                                                                                \
     case C:                                                                                                       \
         if constexpr (VLLMINI_ONLY_CHUNKS == 0 || VLLMINI_ONLY_CHUNKS == C)                                       \
-            attend<Dtype, D, T, G, H>(VLLMINI_V5_ARGS);                                                           \
+            attend<Dtype, D, T, G, H>(VLLMINI_ARGS);                                                           \
         break;
     if constexpr (sizeof(typename Dtype::storage) == 4) {
         switch ((head_size + WARP_SIZE - 1) / WARP_SIZE) {  // C: 32-dim chunks of the head
@@ -502,44 +460,43 @@ __device__ void dispatch(VLLMINI_V5_PARAMS(typename Dtype::storage)) {
 // One per element type; 16-bit values travel as their raw bits (unsigned short). heads_per_block 1
 // takes the copy compiled for one head per block (fewer registers), larger values the GQA copy.
 template <typename Dtype>
-__device__ void entry(VLLMINI_V5_PARAMS(typename Dtype::storage)) {
+__device__ void entry(VLLMINI_PARAMS(typename Dtype::storage)) {
     if (heads_per_block == 1) {
-        if constexpr (VLLMINI_ONLY_GQA != 1) dispatch<Dtype, false>(VLLMINI_V5_ARGS);
+        if constexpr (VLLMINI_ONLY_GQA != 1) dispatch<Dtype, false>(VLLMINI_ARGS);
     } else if constexpr (VLLMINI_ONLY_GQA != 0) {
-        dispatch<Dtype, true>(VLLMINI_V5_ARGS);
+        dispatch<Dtype, true>(VLLMINI_ARGS);
     }
 }
 
-extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_5_gqa_split(
+extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_7_fewer_instructions(
     float* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_ml, const float* __restrict__ query,
     const float* __restrict__ key_cache, const float* __restrict__ value_cache, const int* __restrict__ block_tables,
-    const int* __restrict__ seq_lens, int* error, const int num_blocks, const int block_size, const int num_heads,
+    const int* __restrict__ seq_lens, const int block_size, const int num_heads,
     const int head_size, const int num_kv_heads, const int max_num_blocks_per_seq, const int heads_per_block,
     const int pages_per_split, const float scale) {
-    entry<Float32>(VLLMINI_V5_ARGS);
+    entry<Float32>(VLLMINI_ARGS);
 }
 
-extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_5_gqa_split_f16(
+extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_7_fewer_instructions_f16(
     unsigned short* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_ml, const unsigned short* __restrict__ query,
     const unsigned short* __restrict__ key_cache, const unsigned short* __restrict__ value_cache, const int* __restrict__ block_tables,
-    const int* __restrict__ seq_lens, int* error, const int num_blocks, const int block_size, const int num_heads,
+    const int* __restrict__ seq_lens, const int block_size, const int num_heads,
     const int head_size, const int num_kv_heads, const int max_num_blocks_per_seq, const int heads_per_block,
     const int pages_per_split, const float scale) {
-    entry<Float16>(VLLMINI_V5_ARGS);
+    entry<Float16>(VLLMINI_ARGS);
 }
 
-extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_5_gqa_split_bf16(
+extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_7_fewer_instructions_bf16(
     unsigned short* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_ml, const unsigned short* __restrict__ query,
     const unsigned short* __restrict__ key_cache, const unsigned short* __restrict__ value_cache, const int* __restrict__ block_tables,
-    const int* __restrict__ seq_lens, int* error, const int num_blocks, const int block_size, const int num_heads,
+    const int* __restrict__ seq_lens, const int block_size, const int num_heads,
     const int head_size, const int num_kv_heads, const int max_num_blocks_per_seq, const int heads_per_block,
     const int pages_per_split, const float scale) {
-    entry<BFloat16>(VLLMINI_V5_ARGS);
+    entry<BFloat16>(VLLMINI_ARGS);
 }
 
 // The merge of a split context (grid (num_seqs, num_heads), any block size): with M = max_s m_s and
-// w_s = l_s * 2^(m_s - M), out = sum_s w_s * part_out_s / sum_s w_s. A NaN part (a bad page) makes the
-// row NaN.
+// w_s = l_s * 2^(m_s - M), out = sum_s w_s * part_out_s / sum_s w_s. A NaN part makes the row NaN.
 template <typename Dtype>
 __device__ void merge(typename Dtype::storage* __restrict__ out, const float* __restrict__ part_out,
                       const float* __restrict__ part_ml, const int num_splits, const int head_size) {
@@ -559,17 +516,17 @@ __device__ void merge(typename Dtype::storage* __restrict__ out, const float* __
     }
 }
 
-extern "C" __global__ void paged_attention_5_gqa_split_merge(float* __restrict__ out, const float* __restrict__ part_out,
+extern "C" __global__ void paged_attention_7_fewer_instructions_merge(float* __restrict__ out, const float* __restrict__ part_out,
                                   const float* __restrict__ part_ml, const int num_splits, const int head_size) {
     merge<Float32>(out, part_out, part_ml, num_splits, head_size);
 }
 
-extern "C" __global__ void paged_attention_5_gqa_split_merge_f16(unsigned short* __restrict__ out, const float* __restrict__ part_out,
+extern "C" __global__ void paged_attention_7_fewer_instructions_merge_f16(unsigned short* __restrict__ out, const float* __restrict__ part_out,
                                   const float* __restrict__ part_ml, const int num_splits, const int head_size) {
     merge<Float16>(out, part_out, part_ml, num_splits, head_size);
 }
 
-extern "C" __global__ void paged_attention_5_gqa_split_merge_bf16(unsigned short* __restrict__ out, const float* __restrict__ part_out,
+extern "C" __global__ void paged_attention_7_fewer_instructions_merge_bf16(unsigned short* __restrict__ out, const float* __restrict__ part_out,
                                   const float* __restrict__ part_ml, const int num_splits, const int head_size) {
     merge<BFloat16>(out, part_out, part_ml, num_splits, head_size);
 }
