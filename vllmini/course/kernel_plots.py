@@ -100,15 +100,18 @@ def plot_recorded_bandwidth(rows: list[dict], dtype: str, *, figsize=(10, 3.6)) 
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     fig, ax = plt.subplots(figsize=figsize)
     width = 0.8 / len(keep)
+    # the baselines in greys, the kernel versions along one colour map: the chain reads left to right
+    kernels = plt.get_cmap("viridis")([k / max(1, len(keep) - 4) for k in range(len(keep) - 3)])
+    colors = ["black", "#7f7f7f", "#c7c7c7", *kernels]
     for i, name in enumerate(keep):
         vals = {r["shape"]: r["gb_per_s"] for r in rows if r["backend"] == name}
         xs = [j + i * width for j, s in enumerate(shapes) if s in vals]
-        color = "black" if name == "read ceiling" else PALETTE[i % len(PALETTE)]
-        ax.bar(xs, [vals[s] / 1e3 for s in shapes if s in vals], width, label=name, color=color)
+        ax.bar(xs, [vals[s] / 1e3 for s in shapes if s in vals], width, label=name, color=colors[i])
     labels = [s.split(" D=")[0].replace(" ", "\n", 2) for s in shapes]
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], labels, fontsize=7)
     ax.set_ylabel("TB/s of K+V read")
-    ax.legend(fontsize=7, ncol=2)
+    ax.set_ylim(0, 1.4 * max(r["gb_per_s"] for r in rows if r["backend"] in keep) / 1e3)  # legend room
+    ax.legend(fontsize=7, ncol=6, loc="upper center")
     fig.tight_layout()
     return fig
 
