@@ -181,9 +181,7 @@ def measure_read_bandwidth(device: str, repeats: int) -> float:
         return 2**32 / (read_ceiling_us(2**32, max(repeats, 10), flush) * 1e-6)
     n = 2**26  # float32 elements
     x = torch.ones(n, dtype=torch.float32, device=device)
-    flush = torch.empty(2**26, device=device) if device.startswith("cuda") else None
-    us = time_fn(x.sum, device, max(repeats, 10) if flush is not None else 5, flush)
-    return n * 4 / (us * 1e-6)
+    return n * 4 / (time_fn(x.sum, device, 5, None) * 1e-6)
 
 
 # ----------------------------------------------------------------------------- main
