@@ -326,6 +326,14 @@ def test_batched_sampling_draws_what_each_request_would_alone(monkeypatch):
     )
 
 
+def test_batched_sampling_of_logits_that_need_grad():
+    """Logits straight from a model outside no_grad still sample (the top-k/top-p sort reads them)."""
+    logits = torch.randn(2, 32, requires_grad=True)
+    params = [SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=0.7, top_k=4)]
+    tokens = sample_batch(logits, [0, 1], params, [torch.Generator().manual_seed(i) for i in range(2)])
+    assert all(isinstance(t, int) and 0 <= t < 32 for t in tokens)
+
+
 def test_a_bad_row_fails_alone():
     logits = torch.randn(3, 16)
     logits[1] = float("nan")

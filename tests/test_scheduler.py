@@ -152,6 +152,27 @@ def test_a_stale_sequence_is_recomputed_unless_preempted_anyway():
     assert not sched._stale  # recomputed once, then an ordinary sequence again
 
 
+@pytest.mark.parametrize("policy", ["paged", "static", "oracle"])
+@pytest.mark.parametrize("num_blocks", [40, 9])  # 9: too few for all, so some steps preempt (paged)
+def test_each_decode_writes_the_slot_of_its_last_token(policy, num_blocks):
+    """slot_mapping holds the prefills' chunks, then each decode's last token's slot: taken in the step
+    (paged, with or without free blocks for every one) or reserved at admission (static policies)."""
+    sched = make_scheduler(num_blocks, 2, 16, policy=policy, watermark=0.0)
+    for i in range(4):
+        sched.add(Sequence(i, [1] * (2 + i), 6, seed=0))
+    bm = sched.block_manager
+    for _ in range(12):
+        out = sched.schedule()
+        want = [s for p in out.prefills for s in bm.slot_mapping(p.seq_id, 0, p.num_tokens)]
+        want += [bm.slot_mapping(s.seq_id, s.num_tokens - 1, s.num_tokens)[0] for s in out.decodes]
+        assert out.slot_mapping == want
+        for seq in out.seqs:
+            seq.num_computed_tokens = seq.num_tokens  # as the engine's commit marks them
+            seq.output_token_ids.append(7)
+            if len(seq.output_token_ids) == seq.max_tokens:
+                sched.finish(seq, "length")
+
+
 # -----------------------------------------------------------------------------
 # requests in and out
 

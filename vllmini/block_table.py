@@ -92,21 +92,20 @@ class BlockTable:
 
     def append_tokens(self, num_tokens: int = 1) -> list[int]:
         """Make room for `num_tokens` more tokens and return their slots. All-or-nothing."""
-        needed = self.num_new_blocks(num_tokens)
-        free = self.allocator.num_free_blocks
-        if needed > free:
+        needed, start, bs = self.num_new_blocks(num_tokens), self._num_tokens, self.block_size
+        if needed and needed > (free := self.allocator.num_free_blocks):  # (most decodes need none)
             raise OutOfBlocksError(
                 f"appending {num_tokens} tokens needs {needed} new blocks, but only {free} are free"
             )
-        if self._needs_copy(num_tokens):
+        if needed and self._needs_copy(num_tokens):
             src, dst = self._block_ids[-1], self.allocator.allocate()
             self.allocator.free(src)  # drop our reference; the other owners keep theirs
             self._block_ids[-1] = dst
             self.pending_copies.append((src, dst))
-        while len(self._block_ids) < cdiv(self._num_tokens + num_tokens, self.block_size):
+        while len(self._block_ids) < cdiv(start + num_tokens, bs):
             self._block_ids.append(self.allocator.allocate())
         self._num_tokens += num_tokens
-        return self.slot_mapping(self._num_tokens - num_tokens)
+        return [self._block_ids[t // bs] * bs + t % bs for t in range(start, self._num_tokens)]  # their slots
 
     def slot(self, token_index: int) -> int:
         """The physical slot (block_id * block_size + offset) that holds token `token_index`."""

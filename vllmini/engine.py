@@ -261,8 +261,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One forward over the whole batch; returns finished (or aborted) requests, and streaming ones'
         output so far (finished=False). All-or-nothing: see the module docstring."""
-        t0 = time.perf_counter()
-        sched = self.scheduler
+        t0, sched = time.perf_counter(), self.scheduler
         with DeferSigint() as sigint:
             snapshot, before, out, saved = sched.snapshot(), sched.num_preemptions, None, []
             num_ready = len(self._ready)
@@ -273,7 +272,7 @@ class LLMEngine:
                     raise self._no_progress_error()
                 copies = sched.block_manager.take_pending_copies()  # copy-on-write (src, dst) blocks
                 self.runner.copy_blocks(copies)
-                sampled = self._forward_and_sample(out, saved) if not out.is_empty else ([], [])
+                sampled = self._forward_and_sample(out, saved) if not out.is_empty else ([], [], [])
                 sigint.hold()
                 if not out.is_empty:  # a failure in the commit is undone too
                     self._commit(out, sampled, usage, sched.num_preemptions - before, len(copies), t0)
@@ -298,16 +297,16 @@ class LLMEngine:
         )
 
     @torch.inference_mode()
-    def _forward_and_sample(self, out, saved: list) -> tuple[list, list]:
-        """The forward, then (tokens or exceptions, logprobs or None) of the sequences that sample;
-        saves (sequence, generator state) in `saved` first."""
+    def _forward_and_sample(self, out, saved: list) -> tuple[list, list, list]:
+        """The forward, then (out.samplers, their tokens or exceptions, logprobs or None); saves (sequence,
+        generator state) of the sampled ones in `saved` first."""
         logits = self.runner.execute(out, self.scheduler.block_manager)  # (S, V)
         samplers = out.samplers  # forked samples draw from their parent's row
         if not samplers:  # only chunks of prompts ran
-            return [], []
+            return [], [], []
         seqs, rows = [s for s, _ in samplers], [i for _, i in samplers]
         params = [s.sampling_params for s in seqs]
-        saved += [(s, s.generator.get_state()) for s in seqs if not s.sampling_params.is_greedy]
+        saved += [(s, s.generator.get_state()) for s, p in zip(seqs, params, strict=True) if not p.is_greedy]
         tokens = sample_batch(logits, rows, params, [s.generator for s in seqs])
         logprobs: list = [None] * len(seqs)
         want = [j for j, p in enumerate(params) if p.logprobs is not None and isinstance(tokens[j], int)]
@@ -316,16 +315,16 @@ class LLMEngine:
             entries = token_logprobs(logits, [rows[j] for j in want], [tokens[j] for j in want], num_logprobs)
             for j, entry in zip(want, entries, strict=True):
                 logprobs[j] = entry
-        return tokens, logprobs
+        return samplers, tokens, logprobs
 
     def _commit(self, out, sampled: tuple, usage: dict, num_preemptions: int, copies: int, t0: float) -> None:
         """Append each sequence's token and retire the finished ones (Ctrl-C is held meanwhile)."""
         sched, finished = self.scheduler, 0
-        tokens, logprobs = sampled
+        samplers, tokens, logprobs = sampled
         for seq in out.partial_prefills:  # a chunk of its prompt: computed, nothing to sample yet
             sched.mark_computed(seq, out.prefill_end(seq))
         streamed = {}  # request_id -> a sample of each streaming request that got a token
-        for (seq, _), token, lp in zip(out.samplers, tokens, logprobs, strict=True):
+        for (seq, _), token, lp in zip(samplers, tokens, logprobs, strict=True):
             sched.mark_computed(seq)  # its K/V are in the cache now (and findable, with prefix caching)
             if seq.sampling_params.output_kind != "final_only":
                 streamed.setdefault(seq.request_id, seq)

@@ -186,41 +186,44 @@ class Scheduler:
         """Pick this step's batch, allocating or reserving the slots its new tokens go to."""
         out = SchedulerOutput()
         self._admitted.clear()  # this step's admissions only (none pile up when no snapshot() is taken)
-        self._schedule_decodes(out)
+        decode_slots = self._schedule_decodes(out)
         self._schedule_admissions(out)
-        spans = out.spans
-        for seq, (start, end) in zip(out.seqs, spans, strict=True):
-            out.slot_mapping += self.block_manager.slot_mapping(seq.seq_id, start, end)
-        out.num_prefill_tokens = sum(end - start for start, end in spans[: len(out.prefills)])
+        bm, spans = self.block_manager, [(s.num_computed_tokens, out.prefill_end(s)) for s in out.prefills]
+        for seq, (start, end) in zip(out.prefills, spans, strict=True):
+            out.slot_mapping += bm.slot_mapping(seq.seq_id, start, end)
+        out.slot_mapping += [decode_slots[s] for s in out.decodes]
+        out.num_prefill_tokens = sum(end - start for start, end in spans)
         return out
 
-    def _schedule_decodes(self, out: SchedulerOutput) -> None:
+    def _schedule_decodes(self, out: SchedulerOutput) -> dict:
         """Every running sequence decodes one token, oldest first; while one finds no free block, the most
-        recently admitted group is preempted."""
-        bm = self.block_manager
-        order = {id(s): i for i, s in enumerate(self.running)}  # admission order
-        queue = list(self.running)
+        recently admitted group is preempted. Returns {decode: the slot of its new token}."""
+        bm, slots, paged, running = self.block_manager, {}, self.policy == "paged", self.running
+        roomy = not paged or bm.num_free_blocks >= len(running)  # a decode takes <= 1 block: none waits
+        queue = deque(running)  # in admission order
         while queue:
-            seq = queue.pop(0)
+            seq = queue.popleft()
             if seq.seq_id in self._stale:  # its cached KV may be overwritten: recompute it (and its group)
                 self._preempt_group(seq, queue, out)
                 continue
             if self.enable_chunked_prefill and seq.is_prefilling:  # blocks allocated at admission
                 continue
-            if self.policy == "paged":
-                while seq.status is SequenceStatus.RUNNING and not bm.can_append(seq.seq_id):
-                    victim = queue[-1] if queue else seq  # the most recently admitted one
-                    self._preempt_group(victim, queue, out)
-                if seq.status is SequenceStatus.WAITING:
-                    continue
-                bm.append(seq.seq_id, 1)
+            while not roomy and seq.status is SequenceStatus.RUNNING and not bm.can_append(seq.seq_id):
+                victim = queue[-1] if queue else seq  # the most recently admitted one
+                self._preempt_group(victim, queue, out)
+            if seq.status is SequenceStatus.WAITING:
+                continue
+            slots[seq] = (  # its new (last) token's slot: taken now, or (static policies) reserved
+                bm.append(seq.seq_id, 1)[0] if paged else bm.block_table(seq.seq_id).slot(seq.num_tokens - 1)
+            )
             out.decodes.append(seq)
-        self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]  # decodes + prefilling
+        self.running = [s for s in running if s.status is SequenceStatus.RUNNING]  # decodes + prefilling
         # preempted ones go back to the head of the queue, in admission order (groups stay together)
-        for seq in sorted(out.preempted, key=lambda s: order[id(s)], reverse=True):
+        for seq in sorted(out.preempted, key=running.index, reverse=True):
             self.waiting.appendleft(seq)
+        return slots
 
-    def _preempt_group(self, victim: Sequence, queue: list, out: SchedulerOutput) -> None:
+    def _preempt_group(self, victim: Sequence, queue: deque, out: SchedulerOutput) -> None:
         """Preempt `victim` and its running siblings, whether still queued or already in out.decodes."""
         for seq in victim.group:
             if seq.status is not SequenceStatus.RUNNING:

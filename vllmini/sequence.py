@@ -84,11 +84,11 @@ class Sequence:
 
     def snapshot(self) -> tuple:
         """What a step may change of this sequence, for `restore` (a failed step is undone)."""
-        lengths = len(self.output_token_ids), len(self.output_logprobs), len(self.block_hashes)
-        return lengths, self._step_fields(self)
+        fields = self._step_fields(self)  # (one flat tuple: fewer objects for the garbage collector)
+        return len(self.output_token_ids), len(self.output_logprobs), len(self.block_hashes), fields
 
     def restore(self, state: tuple) -> None:
-        (num_out, num_lp, num_hashes), values = state
+        num_out, num_lp, num_hashes, values = state
         for name, value in zip(self.STEP_FIELDS, values, strict=True):
             setattr(self, name, value)
         del self.output_token_ids[num_out:], self.output_logprobs[num_lp:], self.block_hashes[num_hashes:]
@@ -148,9 +148,9 @@ class SchedulerOutput:
 
     @property
     def spans(self) -> list[tuple[int, int]]:
-        """The tokens [start, end) each of `seqs` computes."""
+        """The tokens [start, end) each of `seqs` computes (a decode: its last one)."""
         prefills = [(s.num_computed_tokens, self.prefill_end(s)) for s in self.prefills]
-        return prefills + [(s.num_tokens - 1, s.num_tokens) for s in self.decodes]
+        return prefills + [(n - 1, n) for n in [s.num_tokens for s in self.decodes]]
 
     @property
     def seqs(self) -> list[Sequence]:
@@ -160,9 +160,9 @@ class SchedulerOutput:
     @property
     def samplers(self) -> list[tuple[Sequence, int]]:
         """Every sequence that gets a token this step, with its logits row (forked ones share a row)."""
-        rows = {id(s): i for i, s in enumerate(self.seqs)}
-        partial = {id(s) for s in self.partial_prefills}
-        own = [(s, i) for i, s in enumerate(self.seqs) if id(s) not in partial]
+        n, partial = len(self.prefills), {id(s) for s in self.partial_prefills}  # (every decode samples)
+        own = [(s, i) for i, s in enumerate(self.seqs) if i >= n or id(s) not in partial]
+        rows = {id(s): i for i, s in enumerate(self.prefills)}  # a fork's parent is a prefill
         return own + [(c, rows[id(p)]) for c, p in self.forked]
 
     @property
