@@ -26,7 +26,7 @@ course: setup
 
 test: setup
 	$(VENV)/bin/python -m pytest --nbval --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanitize.cfg \
-		--nbval-cell-timeout=600 notebooks tests $(PYTEST_ARGS)
+		--nbval-cell-timeout=600 -n auto --dist loadfile notebooks tests $(PYTEST_ARGS)
 
 setup: $(STAMP) model
 

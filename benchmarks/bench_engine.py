@@ -75,7 +75,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from cuda_timing import median_us
+from cuda_timing import median_us, read_ceiling_us
 from tqdm.auto import tqdm
 
 from vllmini.attention import AttentionMetadata
@@ -320,10 +320,9 @@ def median_ms(fn, repeats: int) -> float:
     return median_us(fn, repeats) / 1000
 
 
-def read_bandwidth(device, gib: float = 4.0, repeats: int = 20) -> float:
-    """Bytes/s of a torch.sum over `gib` GiB of random float32 (the read ceiling), median of CUDA events."""
-    x = torch.empty(int(gib * 2**30) // 4, dtype=torch.float32, device=device).normal_()
-    return int(gib * 2**30) / (median_ms(x.sum, repeats) / 1e3)
+def read_bandwidth(gib: float = 4.0) -> float:
+    """Bytes/s of the plain read kernel (kernels/read_ceiling.cu) over `gib` GiB: the read ceiling."""
+    return int(gib * 2**30) / (read_ceiling_us(int(gib * 2**30)) / 1e6)
 
 
 def full_decode_batch(engine, batch: int, context: int):
@@ -339,8 +338,10 @@ def full_decode_batch(engine, batch: int, context: int):
 
 def replay_ms(engine, ids, pos, meta, repeats: int) -> float:
     """Median GPU time (CUDA events) of the engine's captured graph for this batch, replayed alone."""
-    engine.graphs.run(ids, pos, meta)  # fills the static buffer for this size
-    return median_ms(engine.graphs.graphs[engine.graphs.size_for(ids.shape[0])].replay, repeats)
+    graphs = engine.graphs
+    graphs.run(ids, pos, meta)  # fills the static buffer for this size and table width
+    key = graphs.size_for(ids.shape[0]), graphs.width_for(meta.block_tables.shape[1])
+    return median_ms(graphs.graphs[key].replay, repeats)
 
 
 def decode_table(model, batch_sizes, prompt_len: int, new: int, hf: bool, max_model_len: int = 2048) -> list:
@@ -349,14 +350,14 @@ def decode_table(model, batch_sizes, prompt_len: int, new: int, hf: bool, max_mo
     each engine; the GPU time of one decode forward (the captured graph replayed alone, CUDA events, median
     of 50); host time per step = step wall time - that GPU time; and the time to read the weights and the
     batch's KV cache once at the measured read bandwidth."""
-    device, cfg = model.device, model.config
-    bw = read_bandwidth(device)
+    cfg = model.config
+    bw = read_bandwidth()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * model.dtype.itemsize
     print(
         f"\nDecode table: {prompt_len}-token random prompts x {new} new tokens, greedy, {model.dtype}; read "
-        f"bandwidth {bw / 1e12:.2f} TB/s (torch.sum over 4 GiB), weights {weight_bytes / 1e9:.2f} GB, "
-        f"KV {kv_per_token / 1024:.0f} KiB/token"
+        f"bandwidth {bw / 1e12:.2f} TB/s (kernels/read_ceiling.cu over 4 GiB), weights "
+        f"{weight_bytes / 1e9:.2f} GB, KV {kv_per_token / 1024:.0f} KiB/token"
     )
     rows = []
     for batch in batch_sizes:

@@ -237,7 +237,8 @@ def tier_engine(debug: bool = False):
 def kernel_driver(runtime: str = "cupy", only: str | None = None) -> int:
     """A few small launches of every kernel version through CuPy, each checked against float64
     (sanitizers), versions 6-9 also split, 8-9 with their guard catching a bad id. runtime "emulator" runs
-    the same on the CPU (to try the driver without a GPU). `only`: one version number."""
+    the same on the CPU (to try the driver without a GPU); then kernels/layer_ops.cu. `only`: one version
+    number, or "layer_ops"."""
     import torch
 
     sys.path.insert(0, str(ROOT / "tests"))
@@ -255,7 +256,7 @@ def kernel_driver(runtime: str = "cupy", only: str | None = None) -> int:
     device = "cuda" if runtime == "cupy" else "cpu"
     keys = ("query", "key_cache", "value_cache", "block_tables", "seq_lens")
     for n, version in sorted(cuda_kernels.kernel_versions().items()):
-        if only is not None and n != int(only):
+        if only is not None and str(n) != only:
             continue
         tc = version.has("tensor_cores")
         dtypes = (torch.float16, torch.bfloat16) if tc else (torch.float32, torch.float16, torch.bfloat16)
@@ -284,6 +285,14 @@ def kernel_driver(runtime: str = "cupy", only: str | None = None) -> int:
                                                 version=n, error=error)  # fmt: skip
             assert out[2].isnan().all() and error.tolist()[:4] == [1, 2, 3, 10**8], error.tolist()
             print(f"v{n} guard: ok", flush=True)
+    if only in (None, "layer_ops"):  # kernels/layer_ops.cu: each op against PyTorch and float64
+        import test_layer_ops as ops
+
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            ops.test_add_rms_norm(device, dtype, False), ops.test_add_rms_norm(device, dtype, True)
+            ops.test_rope_and_cache(device, dtype), ops.test_silu_and_mul(device, dtype)
+        ops.test_rope_and_cache_never_reads_or_writes_out_of_range(device)
+        print("layer ops: ok", flush=True)
     print("KERNEL DRIVER OK")
     return 0
 

@@ -11,7 +11,13 @@ from vllmini.engine import LLMEngine
 from vllmini.errors import InvalidArgumentError, InvalidBlockTableError
 from vllmini.kv_cache import PagedKVCache
 from vllmini.model import LlamaModel
-from vllmini.model_runner import capture_sizes, input_views, pack_inputs, padded_decode_forward
+from vllmini.model_runner import (
+    capture_sizes,
+    capture_widths,
+    input_views,
+    pack_inputs,
+    padded_decode_forward,
+)
 from vllmini.sampling import SamplingParams
 
 pytest.importorskip("transformers")
@@ -31,6 +37,13 @@ def test_capture_sizes_are_vllms():
         capture_sizes(0)
     with pytest.raises(InvalidArgumentError, match="max_batch_size"):
         capture_sizes(513)
+
+
+def test_capture_widths_double_from_256_tokens():
+    assert capture_widths(128, 16) == [16, 32, 64, 128]  # 256, 512, 1024, 2048 tokens
+    assert capture_widths(100, 16) == [16, 32, 64, 100]
+    assert capture_widths(16, 16) == [16] and capture_widths(3, 16) == [3]
+    assert capture_widths(64, 4) == [64]  # 256 tokens of block size 4
 
 
 def _decode_batch(lens, block_size, num_blocks, seed=0):
@@ -156,6 +169,28 @@ def test_graphs_give_the_eager_engines_tokens(dtype):
         graphed, g = _generate(model, n, use_cuda_graphs=True, max_cuda_graph_batch_size=8)
         assert e.graphs is None and g.graphs.sizes == [1, 2, 4, 8]
         assert graphed == eager, n
+
+
+@pytest.mark.gpu
+def test_a_graph_per_table_width_gives_the_eager_engines_tokens():
+    """Contexts that grow across the 256- and 512-token widths replay the narrowest graph that holds them
+    (its kernels split for that width) and give the eager engine's tokens."""
+    _clear_guard()
+    model = LlamaModel.from_pretrained(random_hf_model(max_position_embeddings=1024), device="cuda")
+    kw = dict(block_size=16, num_blocks=256, max_num_seqs=4, max_model_len=1024, max_cuda_graph_batch_size=4)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompts = [[3 + i % 90 for i in range(n)] for n in (60, 250, 500)]
+    eager = LLMEngine(model, use_cuda_graphs=False, **kw).generate(prompts, params, use_tqdm=False)
+    engine = LLMEngine(model, use_cuda_graphs=True, **kw)
+    assert engine.graphs.widths == [16, 32, 64]
+    replayed = []
+    run = engine.graphs.run
+    engine.graphs.run = lambda ids, pos, meta: (
+        replayed.append(engine.graphs.width_for(meta.block_tables.shape[1])) or run(ids, pos, meta)
+    )
+    graphed = engine.generate(prompts, params, use_tqdm=False)
+    assert [o.output_token_ids for o in graphed] == [o.output_token_ids for o in eager]
+    assert {16, 32} <= set(replayed) or {32, 64} <= set(replayed), replayed
 
 
 @pytest.mark.gpu

@@ -14,7 +14,8 @@ import torch
 from vllmini.attention import AttentionMetadata
 from vllmini.errors import CheckpointError, CheckpointNotFoundError, InvalidArgumentError, InvalidTypeError
 from vllmini.kv_cache import PagedKVCache
-from vllmini.model import LlamaConfig, LlamaModel, hf_parameter_shapes, rope_inv_freq
+from vllmini.model import LlamaConfig, LlamaModel, rope_inv_freq
+from vllmini.models import hf_parameter_shapes
 
 transformers = pytest.importorskip("transformers")
 from llama_cases import LLAMA3_ROPE, hf_config, random_hf_model  # noqa: E402 (needs transformers)

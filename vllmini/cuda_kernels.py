@@ -45,6 +45,8 @@ TENSOR_CORE_BLOCKS_PER_SM = 3  # version 9: 168 registers x 128 threads, 3 block
 MAX_TENSOR_CORE_SPLITS = 4
 MIN_SPLIT_TOKENS = 256  # no context piece shorter than this (the merge would cost more than it gains)
 MERGE_THREADS = 128
+LAYER_OP_THREADS = 256  # kernels/layer_ops.cu's THREADS: its largest head size
+LAYER_OP_HIDDEN = 256 * 32  # kernels/layer_ops.cu's add_rms_norm: THREADS * ROW_VALUES
 ERROR_FIELDS = 5  # the guard's record: flag, sequence, table entry (-1: seq_lens), value, limit
 
 _error_buffers: dict[torch.device, torch.Tensor] = {}  # device -> int32 [ERROR_FIELDS], zero when clean
@@ -504,7 +506,7 @@ def plan_call(
         if plan.shared_mem > DEFAULT_SHARED_BYTES and main.max_dynamic_shared_size_bytes < plan.shared_mem:
             main.max_dynamic_shared_size_bytes = plan.shared_mem  # opt in (raises if the GPU has less)
         pointers = 6 + 2 * kernel.has("split_context") + kernel.guard  # out, (partials), inputs, (error)
-        main, merge = _Packer(main, pointers, len(ints)), merge and _Packer(merge, 3, 2)
+        main, merge = _Packer(main, pointers, len(ints), 1), merge and _Packer(merge, 3, 2, 0)
     part_floats = num_seqs * num_heads * plan.num_splits * (head_size + 2) if split else 0
     return PreparedCall(plan, main, merge, ints, part_floats, device, kernel, head_size)
 
@@ -512,13 +514,12 @@ def plan_call(
 class _Packer:
     """A cupy kernel and its cuLaunchKernel arguments, an 8-byte slot each, packed per launch (one thread)."""
 
-    def __init__(self, kernel, pointers: int, ints: int):
+    def __init__(self, kernel, pointers: int, ints: int, floats: int):
         from cupy_backends.cuda.api import driver
 
         self.launch, self.function = driver.launchKernel, kernel.kernel.ptr
-        scale = ints > 2  # the merge kernels end with two ints, the attention kernels with the scale
-        n = pointers + ints + scale
-        self.struct = struct.Struct("<" + "Q" * pointers + "i4x" * ints + "f4x" * scale)
+        n = pointers + ints + floats
+        self.struct = struct.Struct("<" + "Q" * pointers + "i4x" * ints + "f4x" * floats)
         self.buffer = ctypes.create_string_buffer(8 * n)
         base = ctypes.addressof(self.buffer)
         self.params = (ctypes.c_void_p * n)(*range(base, base + 8 * n, 8))
@@ -527,6 +528,24 @@ class _Packer:
     def __call__(self, grid, block, shared_mem: int, stream: int, *values) -> None:
         self.struct.pack_into(self.buffer, 0, *values)
         self.launch(self.function, *grid, *block, shared_mem, stream, self.address, 0)
+
+
+def launch_kernel(file: str, name: str, like: torch.Tensor, grid: tuple, tensors, ints=(), floats=()) -> None:
+    """One launch of kernels/<file>.cu::<name> in like's dtype (<name>, <name>_f16, <name>_bf16) with
+    THREADS-sized blocks (kernels/layer_ops.cu) on like's device: torch's current stream, or the emulator
+    for CPU tensors. Arguments in the signature's order: tensors (None: a null pointer), int32s, float32s."""
+    pointers = tuple(0 if t is None else t.data_ptr() for t in tensors)
+    function, device = name + DTYPE_SUFFIX[like.dtype], like.device
+    grid, block = (*grid, 1, 1, 1)[:3], (LAYER_OP_THREADS, 1, 1)
+    if device.type == "cpu":
+        return _emulated(_emulator_kernel(file, function), grid, block, 0, 0, *pointers, *ints, *floats)
+    packer = _layer_op_packer(file, function, device.index, len(pointers), len(ints), len(floats))
+    packer(grid, block, 0, _raw_stream(device.index), *pointers, *ints, *floats)
+
+
+@functools.cache
+def _layer_op_packer(file: str, function: str, device: int, pointers: int, ints: int, floats: int):
+    return _Packer(_cupy_kernel(file, function, device), pointers, ints, floats)
 
 
 def _emulated(kernel, grid, block, shared_mem: int, stream: int, *values) -> None:

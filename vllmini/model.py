@@ -1,11 +1,10 @@
 """A Llama-family decoder on the paged KV cache (notebook 06): one flat batch of tokens from many sequences,
 with `AttentionMetadata` saying where each token's K/V goes; weights from a Hugging Face directory or an
-in-memory `transformers` model (a missing or damaged file is a CheckpointError that names it)."""
+in-memory `transformers` model, read by vllmini.models (a missing or damaged file is a CheckpointError)."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from dataclasses import MISSING, dataclass, fields
@@ -16,16 +15,20 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import vllmini.models as hf  # reading a Hugging Face checkpoint
 from vllmini.attention import (
     AttentionMetadata,
     guarded_by_default,
     paged_attention,
     paged_prefill_attention,
+    resolve_backend,
 )
-from vllmini.checks import as_float, as_int, one_of
-from vllmini.errors import CheckpointError, CheckpointNotFoundError, InvalidArgumentError, InvalidTypeError
+from vllmini.checks import as_float, as_int, cdiv, one_of
+from vllmini.cuda_kernels import LAYER_OP_HIDDEN, LAYER_OP_THREADS, launch_kernel
+from vllmini.errors import CheckpointError, InvalidArgumentError, InvalidTypeError
 from vllmini.kv_cache import FLOAT_DTYPES, reshape_and_cache
 
+OPS = "layer_ops"  # kernels/layer_ops.cu: the layer's small steps fused, where attention runs a kernel
 ROPE_KEYS = {  # rope type -> what it reads from its scaling dict
     "default": (),
     "linear": ("factor",),
@@ -92,10 +95,10 @@ class LlamaConfig:
         """From a Hugging Face config dict (`rope_theta` + `rope_scaling`, or newer `rope_parameters`)."""
         one_of(d.get("model_type", "llama"), "model_type", ("llama",))
         one_of(d.get("hidden_act", "silu"), "hidden_act (SwiGLU)", ("silu",))
-        rope = dict(as_dict(d.get("rope_parameters"), "rope_parameters"))
+        rope = dict(hf.as_dict(d.get("rope_parameters"), "rope_parameters"))
         theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
         if not rope:  # the older style: the scaling dict sits on its own
-            rope = dict(as_dict(d.get("rope_scaling"), "rope_scaling"))
+            rope = dict(hf.as_dict(d.get("rope_scaling"), "rope_scaling"))
         one_of(rope.pop("partial_rotary_factor", 1.0), "partial_rotary_factor", (1.0,))
         missing = [f.name for f in fields(cls) if f.default is MISSING and d.get(f.name) is None]
         if missing:
@@ -107,7 +110,16 @@ class LlamaConfig:
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> LlamaConfig:
         """From the config.json in checkpoint directory `path`."""
-        return read_checkpoint_file(Path(path) / "config.json", lambda f: cls.from_dict(read_json(f)))
+        return hf.read_checkpoint_file(Path(path) / "config.json", lambda f: cls.from_dict(hf.read_json(f)))
+
+
+class Rope(NamedTuple):
+    """The rotary tables of a forward: per token (T, 1, hd) with positions None (PyTorch), or per position
+    (max_position_embeddings, hd) with each token's position (the fused kernels of kernels/layer_ops.cu)."""
+
+    cos: torch.Tensor
+    sin_signed: torch.Tensor
+    positions: torch.Tensor | None = None
 
 
 class RMSNorm(nn.Module):
@@ -118,13 +130,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """norm(x); with `residual`: (norm(x + residual), x + residual), as vLLM's fused_add_rms_norm."""
-        if residual is not None:
-            x = x + residual
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, fused: bool = False):
+        """(norm(x + residual), x + residual) as vLLM's fused_add_rms_norm; (norm(x), x) without `residual`.
+        fused: one kernel, the sum written over `residual`."""
+        if fused:
+            out, (T, H) = torch.empty_like(x), x.shape
+            launch_kernel(OPS, "add_rms_norm", x, (T,), (out, residual, x, self.weight), (H,), (self.eps,))
+            return out, x if residual is None else residual
+        x = x if residual is None else x + residual
         # upcasts to float32 inside and rounds once, as Llama does, in one kernel instead of seven
-        normed = self.weight * F.rms_norm(x, (x.shape[-1],), None, self.eps)
-        return normed if residual is None else (normed, x)
+        return self.weight * F.rms_norm(x, (x.shape[-1],), None, self.eps), x
 
 
 def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
@@ -183,16 +198,22 @@ class Attention(nn.Module):
         self.qkv_proj = MergedLinear(h, parts, bias)  # q, k and v in one GEMM
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
 
-    def forward(self, x, cos, sin, key_cache, value_cache, meta: AttentionMetadata, backend: str, validate):
+    def forward(self, x, rope: Rope, key_cache, value_cache, meta: AttentionMetadata, backend: str, validate):
         T, nh, hd = x.shape[0], self.num_heads, self.head_dim
         qkv = self.qkv_proj(x)  # (T, (nh + 2 nkv) hd)
-        qk = apply_rotary(qkv[:, : -self.num_kv_heads * hd].view(T, -1, hd), cos, sin)  # q and k at once
-        q, k = qk[:, :nh].contiguous(), qk[:, nh:]  # (T, nh, hd) as attention takes it, (T, nkv, hd) view
-        v = qkv[:, -self.num_kv_heads * hd :].view(T, self.num_kv_heads, hd)  # (T, nkv, hd)
-        # the model checked slot_mapping and block_tables once for all layers
-        reshape_and_cache(
-            k, v, key_cache, value_cache, meta.slot_mapping, validate=False, padding=meta.has_padding
-        )
+        if rope.positions is not None:  # one kernel: q rotated into its own tensor, k and v into the cache
+            q, slots = x.new_empty(T, nh, hd), meta.slot_mapping.long()
+            tensors = (q, key_cache, value_cache, qkv, rope.cos, rope.sin_signed, rope.positions, slots)
+            ints = (nh, self.num_kv_heads, hd, rope.cos.shape[0], key_cache.shape[0] * key_cache.shape[1])
+            launch_kernel(OPS, "rope_and_cache", qkv, (T, nh + 2 * self.num_kv_heads), tensors, ints)
+        else:
+            qk = apply_rotary(qkv[:, : -self.num_kv_heads * hd].view(T, -1, hd), rope.cos, rope.sin_signed)
+            q, k = qk[:, :nh].contiguous(), qk[:, nh:]  # (T, nh, hd) as attention takes it, (T, nkv, hd)
+            v = qkv[:, -self.num_kv_heads * hd :].view(T, self.num_kv_heads, hd)  # (T, nkv, hd)
+            # the model checked slot_mapping and block_tables once for all layers
+            reshape_and_cache(
+                k, v, key_cache, value_cache, meta.slot_mapping, validate=False, padding=meta.has_padding
+            )
         split, num_prefills = meta.num_prefill_tokens, meta.num_prefills  # prefill rows [0, split)
         out = torch.empty_like(q) if num_prefills else None  # (T, nh, hd); decode-only: no buffer
         if num_prefills:  # only the torch backend has a prefill path
@@ -232,8 +253,14 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedLinear(hidden, {"gate_proj": inner, "up_proj": inner}, bias)  # one GEMM
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (T, inner) views each
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # (T, 2 inner)
+        if fused:  # one kernel
+            T, inner = x.shape[0], gate_up.shape[1] // 2
+            h = gate_up.new_empty(T, inner)
+            launch_kernel(OPS, "silu_and_mul", h, (T, cdiv(inner, LAYER_OP_THREADS)), (h, gate_up), (inner,))
+            return self.down_proj(h)
+        gate, up = gate_up.chunk(2, dim=-1)  # (T, inner) views each
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -245,14 +272,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, residual, cos, sin, key_cache, value_cache, meta, backend, validate):
+    def forward(self, x, residual, rope: Rope, key_cache, value_cache, meta, backend, validate):
         """(output, residual before it is added: the next norm adds it); residual None: the first layer."""
-        h, residual = (
-            self.input_layernorm(x, residual) if residual is not None else (self.input_layernorm(x), x)
-        )
-        h = self.self_attn(h, cos, sin, key_cache, value_cache, meta, backend, validate)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        fused = rope.positions is not None  # kernels/layer_ops.cu
+        h, residual = self.input_layernorm(x, residual, fused)
+        h = self.self_attn(h, rope, key_cache, value_cache, meta, backend, validate)
+        h, residual = self.post_attention_layernorm(h, residual, fused)
+        return self.mlp(h, fused), residual
 
 
 class LlamaModel(nn.Module):
@@ -269,6 +295,8 @@ class LlamaModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         # (hd/2,) float32: not a buffer, so model.to(bfloat16) cannot round it
         self.inv_freq = rope_inv_freq(config)
+        self._rope_tables: dict = {}  # (device, dtype) -> [cos, signed sin] (positions, hd): `rope_tables`
+        self.fits_layer_ops = config.hidden_size <= LAYER_OP_HIDDEN and config.head_dim <= LAYER_OP_THREADS
         self.tokenizer = None  # a tokenizers.Tokenizer when the checkpoint has tokenizer.json
         self.chat_template: str | None = None  # Jinja text, when the checkpoint has one
         eos = config.eos_token_id
@@ -309,14 +337,28 @@ class LlamaModel(nn.Module):
         meta, validate = self.check_metadata(meta, kv_cache, backend)
         x = self.embed_tokens(input_ids)  # (T, hidden)
         self.inv_freq = self.inv_freq.to(positions.device)  # the same tensor when already there
-        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)  # (T, 1, hd) each, for every layer
+        # kernels/layer_ops.cu wherever attention runs a kernel ("cupy", "emulator"), within its sizes
+        fused = self.fits_layer_ops and kv_cache.key_caches[0].is_contiguous()
+        if fused and resolve_backend(backend, x.device, x.dtype) != "torch":
+            rope = self.rope_tables(positions)
+        else:
+            fused, rope = False, Rope(*rope_cos_sin(positions, self.inv_freq, x.dtype))
         residual = None
         for i, layer in enumerate(self.layers):
             kc, vc = kv_cache.key_caches[i], kv_cache.value_caches[i]
-            x, residual = layer(x, residual, cos, sin, kc, vc, meta, backend, validate)
-        if not all_logits:
+            x, residual = layer(x, residual, rope, kc, vc, meta, backend, validate)
+        if not all_logits and x.shape[0] != meta.num_seqs:  # else one token a sequence: each is its last
             x, residual = x[meta.last_token_indices], residual[meta.last_token_indices]  # (num_seqs, hidden)
-        return self.lm_head(self.norm(x, residual)[0])
+        return self.lm_head(self.norm(x, residual, fused)[0])
+
+    def rope_tables(self, positions: torch.Tensor) -> Rope:
+        """cos and signed sin of every position (max_position_embeddings, hd), made once per device and
+        dtype by `rope_cos_sin` (the same numbers as the per-token path), with `positions` as int64."""
+        key = (positions.device, self.dtype)
+        if key not in self._rope_tables:
+            every = torch.arange(self.config.max_position_embeddings, device=positions.device)
+            self._rope_tables[key] = [t[:, 0] for t in rope_cos_sin(every, self.inv_freq, self.dtype)]
+        return Rope(*self._rope_tables[key], positions.long())
 
     def check_metadata(
         self, meta: AttentionMetadata, kv_cache, backend: str
@@ -351,7 +393,7 @@ class LlamaModel(nn.Module):
         transformers LlamaForCausalLM. dtype defaults to the stored weights'."""
         if dtype is not None and dtype not in FLOAT_DTYPES:
             raise InvalidTypeError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype!r}")
-        ckpt = read_checkpoint(path_or_hf_model)
+        ckpt = hf.read_checkpoint(path_or_hf_model, LlamaConfig.from_dict)
         state, where = ckpt.state, ckpt.where
         embed = state.get("model.embed_tokens.weight", state.get("embed_tokens.weight"))  # prefix optional
         if embed is None:
@@ -364,9 +406,9 @@ class LlamaModel(nn.Module):
         with torch.device("meta"):  # no memory, no random init: the weights come next
             model = cls(ckpt.config)
         device = device if device is not None else ckpt.device
-        load_hf_state_dict(model, state, dtype, torch.device(device or "cpu"), where)
+        hf.load_hf_state_dict(model, state, dtype, torch.device(device or "cpu"), where)
         model.tokenizer = ckpt.tokenizer
-        model.chat_template = read_chat_template(path_or_hf_model)
+        model.chat_template = hf.read_chat_template(path_or_hf_model)
         eos = ckpt.generation.get("eos_token_id")
         if eos is not None:
             eos = eos if isinstance(eos, list) else [eos]
@@ -377,151 +419,3 @@ class LlamaModel(nn.Module):
                 )
             model.eos_token_ids = tuple(eos)
         return model.eval()
-
-
-class Checkpoint(NamedTuple):
-    """What a checkpoint holds, read but not yet placed in a model."""
-
-    config: LlamaConfig
-    state: dict  # Hugging Face tensor name -> tensor
-    tokenizer: object  # a tokenizers.Tokenizer, or None
-    generation: dict  # generation_config.json (eos_token_id, ...), {} if none
-    where: str  # names the checkpoint in error messages
-    device: torch.device | None  # an in-memory model's device (None for a directory)
-
-
-def as_dict(value, name: str) -> dict:
-    """`value` if it is a dict, {} for None."""
-    if value is not None and not isinstance(value, dict):
-        raise InvalidTypeError(f"{name} must be a JSON object (a dict), got {value!r}")
-    return value or {}
-
-
-def read_json(file: Path) -> dict:
-    """A JSON file that must hold an object."""
-    return as_dict(json.loads(file.read_text()), file.name)
-
-
-def read_checkpoint_file(file: Path, read):
-    """read(file), with a missing or damaged file reported as a CheckpointError that names it."""
-    if not file.is_file():
-        raise CheckpointNotFoundError(f"no {file.name} in {str(file.parent)!r}")
-    try:
-        return read(file)
-    except Exception as e:  # json, safetensors and tokenizers each raise their own kind; name the file
-        raise CheckpointError(f"bad checkpoint file {str(file)!r}: {e}") from e
-
-
-def read_checkpoint(path_or_hf_model) -> Checkpoint:
-    """Read a checkpoint directory or an in-memory transformers model."""
-    tokenizer, gen, device = None, {}, None
-    if isinstance(path_or_hf_model, (str, os.PathLike)):
-        root = Path(path_or_hf_model)
-        if not root.is_dir():
-            raise CheckpointNotFoundError(f"no checkpoint directory {str(root)!r}")
-        where = f"checkpoint {str(root)!r}"
-        config = LlamaConfig.from_pretrained(root)
-        state = load_safetensors(root)
-        if (root / "tokenizer.json").is_file():
-            from tokenizers import Tokenizer
-
-            tokenizer = read_checkpoint_file(root / "tokenizer.json", lambda f: Tokenizer.from_file(str(f)))
-        if (root / "generation_config.json").is_file():
-            gen = read_checkpoint_file(root / "generation_config.json", read_json)
-    elif hasattr(path_or_hf_model, "state_dict") and hasattr(path_or_hf_model, "config"):
-        where = f"the {type(path_or_hf_model).__name__}"
-        config = LlamaConfig.from_dict(path_or_hf_model.config.to_dict())
-        state = path_or_hf_model.state_dict()
-        generation = getattr(path_or_hf_model, "generation_config", None)
-        gen = {"eos_token_id": getattr(generation, "eos_token_id", None)}
-        device = next(path_or_hf_model.parameters()).device
-    else:
-        raise InvalidTypeError(
-            f"path_or_hf_model must be a directory path or a transformers model, "
-            f"got {type(path_or_hf_model).__name__}"
-        )
-    return Checkpoint(config, state, tokenizer, gen, where, device)
-
-
-def read_chat_template(path_or_hf_model) -> str | None:
-    """A checkpoint directory's chat template (Jinja text): chat_template.jinja, else tokenizer_config.json's
-    "chat_template"; None without one (or for an in-memory model)."""
-    if not isinstance(path_or_hf_model, (str, os.PathLike)):
-        return None
-    root = Path(path_or_hf_model)
-    if (root / "chat_template.jinja").is_file():
-        return read_checkpoint_file(root / "chat_template.jinja", lambda f: f.read_text())
-    if (root / "tokenizer_config.json").is_file():
-        template = read_checkpoint_file(root / "tokenizer_config.json", read_json).get("chat_template")
-        return template if isinstance(template, str) else None
-    return None
-
-
-def load_safetensors(root: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a single-file or sharded safetensors checkpoint, on the CPU."""
-    from safetensors.torch import load_file
-
-    if (root / "model.safetensors").is_file():
-        return read_checkpoint_file(root / "model.safetensors", load_file)
-    index = root / "model.safetensors.index.json"
-    if not index.is_file():
-        raise CheckpointNotFoundError(
-            f"{str(root)!r} has neither model.safetensors nor model.safetensors.index.json"
-        )
-    weight_map = read_checkpoint_file(index, read_json).get("weight_map")
-    if not isinstance(weight_map, dict):
-        raise CheckpointError(f"{str(index)!r} has no weight_map object (tensor name -> shard file)")
-    shards = list(weight_map.values())
-    bad = [s for s in shards if not isinstance(s, str) or Path(s).is_absolute() or ".." in Path(s).parts]
-    if bad:  # only files inside the checkpoint folder are read
-        raise CheckpointError(f"{str(index)!r}: shard names must be files inside its folder, got {bad[0]!r}")
-    state = {}
-    for shard in sorted(set(shards)):
-        state.update(read_checkpoint_file(root / shard, load_file))
-    return state
-
-
-def hf_parameter_shapes(model: torch.nn.Module) -> tuple[dict, dict]:
-    """({Hugging Face parameter name: shape}, {merged parameter name: the HF names stacked in it}) of
-    `model`; a tied lm_head appears once."""
-    modules, expected, merged = dict(model.named_modules()), {}, {}
-    for name, p in model.named_parameters():
-        owner, _, leaf = name.rpartition(".")
-        parts = getattr(modules[owner], "parts", None)  # a MergedLinear's {HF name: rows}
-        if parts is None:
-            expected[name] = p.shape
-            continue
-        prefix = owner.rpartition(".")[0]
-        merged[name] = [f"{prefix}.{part}.{leaf}" for part in parts]
-        expected.update(
-            (n, (rows, *p.shape[1:])) for n, rows in zip(merged[name], parts.values(), strict=True)
-        )
-    return expected, merged
-
-
-def load_hf_state_dict(
-    model: torch.nn.Module, state: dict, dtype: torch.dtype, device: torch.device, where: str
-) -> None:
-    """Place Hugging Face-named tensors into `model`, cast to dtype on device; each must be there. The
-    separate projections (q_proj, k_proj, v_proj; gate_proj, up_proj) are stacked into the merged ones."""
-    expected, merged = hf_parameter_shapes(model)
-    tensors = {}
-    for key, t in state.items():
-        name = key.removeprefix("model.")
-        if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and name not in expected):
-            continue  # recomputed here / tied to the embedding
-        if name not in expected:
-            raise CheckpointError(f"{where} has weight {key!r}, unexpected for a Llama model")
-        if tuple(t.shape) != tuple(expected[name]):
-            raise CheckpointError(
-                f"{where}: weight {key!r} has shape {tuple(t.shape)}, expected {tuple(expected[name])}"
-            )
-        tensors[name] = t.to(device=device, dtype=dtype)
-    missing = sorted(set(expected) - set(tensors))
-    if missing:
-        raise CheckpointError(f"{where} lacks weights {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    for name, parts in merged.items():  # rows stacked in `parts` order: the merged GEMM's output columns
-        tensors[name] = torch.cat([tensors.pop(part) for part in parts])
-    model.load_state_dict(tensors, strict=False, assign=True)
-    if model.config.tie_word_embeddings:  # assign=True replaced the parameter: tie again
-        model.lm_head.weight = model.embed_tokens.weight

@@ -2,8 +2,10 @@
 decode backend, turns a step's batch into tensors (`prepare_inputs`) and runs the forward (`execute`).
 
 Decode steps replay CUDA graphs (`DecodeGraphs`), one per padded batch size (1, 2, 4, 8, then multiples
-of 8): eager, the host spends longer issuing a decode's ~20 launches per layer than the GPU running them
-(benchmarks/RESULTS.md). A graph records pointers, so every input lives in ONE static int32 buffer:
+of 8) and table width (256, 512, 1024 ... tokens: the kernels split a context by the width a graph was
+captured with, so a short batch replays a narrow graph): eager, the host spends longer issuing a decode's
+launches than the GPU running them (benchmarks/RESULTS.md). A graph records pointers, so every input lives
+in ONE static int32 buffer:
 
     input_ids (b,) | positions (b,) | slot_mapping (b,) | seq_lens (b,) | block_tables (b, max_blocks)
 """
@@ -27,21 +29,20 @@ def prepare_inputs(
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """input_ids (num_tokens,), positions (num_tokens,) and the AttentionMetadata of a batch."""
     spans, ids, pos = out.spans, [], []
-    for seq, (start, end) in zip(out.seqs, spans, strict=True):
+    for seq, (start, end) in zip(out.prefills, spans, strict=False):  # the prefills' chunks
         ids += seq.token_ids[start:end]
         pos += range(start, end)
     query_lens, seq_lens = [end - start for start, end in spans], [end for _, end in spans]
+    ids += [(s.output_token_ids or s.prompt_token_ids)[-1] for s in out.decodes]  # a decode: its last token
+    pos += [n - 1 for n in seq_lens[len(out.prefills) :]]
     block_tables, _ = block_manager.build_block_tables([s.seq_id for s in out.seqs])
     # static reservations hold more blocks than the tokens fill: read only the blocks in use
     block_tables = block_tables[:, : cdiv(max(seq_lens, default=1), block_manager.block_size)]
     meta = AttentionMetadata.build(
         query_lens, block_tables, seq_lens, out.slot_mapping, len(out.prefills), device=device
     )
-    return (
-        torch.tensor(ids, dtype=torch.int64, device=device),
-        torch.tensor(pos, dtype=torch.int64, device=device),
-        meta,
-    )
+    ids, pos = torch.tensor([ids, pos], dtype=torch.int64, device=device)  # (2, num_tokens): one conversion
+    return ids, pos, meta
 
 
 class ModelRunner:
@@ -139,6 +140,7 @@ class ModelRunner:
 
 NUM_FIELDS = 4  # input_ids, positions, slot_mapping, seq_lens; then the block tables
 MAX_CAPTURE_SIZE = 512  # vLLM's default largest captured batch
+NARROWEST_GRAPH_TOKENS = 256  # cuda_kernels.MIN_SPLIT_TOKENS: no narrower table splits differently
 
 
 def capture_sizes(max_batch_size: int) -> list[int]:
@@ -146,6 +148,14 @@ def capture_sizes(max_batch_size: int) -> list[int]:
     m = as_int(max_batch_size, "max_batch_size", min=1, max=MAX_CAPTURE_SIZE)
     sizes = [s for s in (1, 2, 4, 8) if s < m] + list(range(16, m, 8))
     return sizes + [m if m <= 8 else cdiv(m, 8) * 8]
+
+
+def capture_widths(max_width: int, block_size: int) -> list[int]:
+    """Table widths (blocks) to capture: 256, 512, 1024 ... tokens, then max_width."""
+    widths, tokens = [], NARROWEST_GRAPH_TOKENS
+    while cdiv(tokens, block_size) < max_width:
+        widths, tokens = widths + [cdiv(tokens, block_size)], tokens * 2
+    return widths + [max_width]
 
 
 def input_views(buffer: torch.Tensor, b: int, width: int) -> tuple[torch.Tensor, ...]:
@@ -206,35 +216,41 @@ class DecodeGraphs:
         self.model, self.kv_cache, self.backend = model, kv_cache, backend
         self.sizes = capture_sizes(max_batch_size)
         self.max_batch_size = self.sizes[-1]
-        self.width = max_num_blocks_per_seq
+        self.widths = capture_widths(max_num_blocks_per_seq, kv_cache.key_caches[0].shape[1])
+        self.width = self.widths[-1]
         self.device = model.device
         per_row = NUM_FIELDS + self.width
         self.buffer = torch.zeros(self.max_batch_size * per_row, dtype=torch.int32, device=self.device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}  # size -> (size, vocab), written by each replay
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (size, width) -> graph
+        self.logits: dict[tuple[int, int], torch.Tensor] = {}  # (size, width) -> (size, vocab), per replay
 
-    def _forward(self, b: int) -> torch.Tensor:
-        """The decode forward of b rows, reading only the static buffer."""
-        return padded_decode_forward(self.model, self.kv_cache, self.backend, self.buffer, b, self.width)
+    def _forward(self, b: int, width: int) -> torch.Tensor:
+        """The decode forward of b rows with tables `width` blocks wide, reading only the static buffer."""
+        return padded_decode_forward(self.model, self.kv_cache, self.backend, self.buffer, b, width)
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every size, largest first, in one pool (before any request: dummy rows write slot 0)."""
+        """Capture every (size, width), largest first, in one pool (before any request: dummy rows write
+        slot 0)."""
         kernel_error_buffer(self.device)  # the guard's record must exist before the graphs point at it
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)
-        for b in reversed(self.sizes):
+        for b, w in ((b, w) for b in reversed(self.sizes) for w in reversed(self.widths)):
             self.buffer.zero_()
-            input_views(self.buffer, b, self.width)[3].fill_(1)  # every dummy row: one token, page 0, slot 0
+            input_views(self.buffer, b, w)[3].fill_(1)  # every dummy row: one token, page 0, slot 0
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):  # warm up (compiles the kernels, fills caches) off the capture
-                self._forward(b)
+                self._forward(b, w)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[b] = self._forward(b)
-            self.graphs[b] = graph
+                self.logits[b, w] = self._forward(b, w)
+            self.graphs[b, w] = graph
         torch.cuda.synchronize(self.device)
+
+    def width_for(self, width: int) -> int:
+        """The narrowest captured table width that holds `width` blocks."""
+        return next(w for w in self.widths if w >= width)
 
     def size_for(self, num_seqs: int) -> int | None:
         """The captured size that serves a decode batch of num_seqs, or None (run it eagerly)."""
@@ -255,7 +271,8 @@ class DecodeGraphs:
         w = meta.block_tables.shape[1]
         if w > self.width:
             raise InvalidArgumentError(f"block tables of {w} columns; the graphs hold {self.width}")
-        host = pack_inputs(input_ids, positions, meta, b, self.width, pin=True)
+        w = self.width_for(w)
+        host = pack_inputs(input_ids, positions, meta, b, w, pin=True)
         self.buffer[: host.shape[0]].copy_(host, non_blocking=True)
-        self.graphs[b].replay()
-        return self.logits[b][:n]
+        self.graphs[b, w].replay()
+        return self.logits[b, w][:n]
