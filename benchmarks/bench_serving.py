@@ -217,9 +217,13 @@ def main() -> None:
         f"{15360 // scale} slots, block {max(1, 16 // scale)}; {duration:g} s of Poisson arrivals per run, "
         f"cut off at {3 * duration:g} s"
     )
-    if on_gpu:  # compile the kernels and warm the allocator before any clock runs
-        warm = engine_at_scale(model, "paged", scale)
-        warm.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    if on_gpu:  # compile the kernels, load the GPU code and warm the allocator before any clock runs: every
+        # policy, with prompts as long as the trace's (the first run once paid the process's first prefill,
+        # 103 ms, at its lowest rate)
+        prompts = [[1 + i % 100 for i in range(n)] for n in (3, 40, 2048 // scale // 4, 2048 // scale // 2)]
+        for policy in args.policies or POLICIES:
+            warm = engine_at_scale(model, policy, scale)
+            warm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
         torch.cuda.synchronize()
 
     t0 = time.perf_counter()
