@@ -160,7 +160,7 @@ def tier_sanitize():
             cmd[1:1] = ["--leak-check", "no"]
         # without torch's caching allocator each tensor is its own cudaMalloc, so memcheck sees its end
         env = {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}
-        run_item("sanitize", f"{tool} every kernel version", cmd, 270, deadline, "KERNEL DRIVER OK", env)
+        run_item("sanitize", f"{tool} every kernel", cmd, 270, deadline, "KERNEL DRIVER OK", env)
 
 
 def tier_bench():

@@ -8,7 +8,7 @@ import torch
 from llama_cases import random_hf_model
 
 from vllmini.attention import AttentionMetadata
-from vllmini.cuda_kernels import DTYPE_SUFFIX, LAYER_OP_THREADS, launch_kernel, read_kernel_source
+from vllmini.cuda_kernels import DTYPE_SUFFIX, LAYER_OP_THREADS, launch_layer_op, read_kernel_source
 from vllmini.emulator import OutOfBoundsError, RawKernel
 from vllmini.kv_cache import FLOAT_DTYPES, PagedKVCache, reshape_and_cache
 from vllmini.model import LlamaModel, RMSNorm, apply_rotary, rope_cos_sin
@@ -21,7 +21,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 def launch(name, grid, tensors, ints=(), floats=()):
     """One launch: the emulator with its bounds and race checks on (CPU tensors), else the package's CuPy
-    launch (`launch_kernel`, as the model calls it)."""
+    launch (`launch_layer_op`, as the model calls it)."""
     like = tensors[0]
     if like.device.type == "cpu":
         sixteen = (torch.float16, torch.bfloat16)  # passed as their bits, as the kernel reads them
@@ -29,7 +29,7 @@ def launch(name, grid, tensors, ints=(), floats=()):
         args = (*bits, *map(np.int32, ints), *map(np.float32, floats))
         RawKernel(SOURCE, name + DTYPE_SUFFIX[like.dtype], racecheck=True)(grid, (LAYER_OP_THREADS,), args)
     else:
-        launch_kernel("layer_ops", name, like, grid, tensors, ints, floats)
+        launch_layer_op(name, like, grid, tensors, ints, floats)
         torch.cuda.synchronize()
 
 

@@ -530,11 +530,11 @@ class _Packer:
         self.launch(self.function, *grid, *block, shared_mem, stream, self.address, 0)
 
 
-def launch_kernel(file: str, name: str, like: torch.Tensor, grid: tuple, tensors, ints=(), floats=()) -> None:
-    """One launch of kernels/<file>.cu::<name> in like's dtype (<name>, <name>_f16, <name>_bf16) with
-    THREADS-sized blocks (kernels/layer_ops.cu) on like's device: torch's current stream, or the emulator
-    for CPU tensors. Arguments in the signature's order: tensors (None: a null pointer), int32s, float32s."""
-    pointers = tuple(0 if t is None else t.data_ptr() for t in tensors)
+def launch_layer_op(name: str, like: torch.Tensor, grid: tuple, tensors, ints=(), floats=()) -> None:
+    """One launch of kernels/layer_ops.cu::<name> in like's dtype (<name>, <name>_f16, <name>_bf16) on
+    like's device: torch's current stream, or the emulator for CPU tensors. Arguments in the signature's
+    order: tensors (None: a null pointer), int32s, float32s."""
+    file, pointers = "layer_ops", tuple(0 if t is None else t.data_ptr() for t in tensors)
     function, device = name + DTYPE_SUFFIX[like.dtype], like.device
     grid, block = (*grid, 1, 1, 1)[:3], (LAYER_OP_THREADS, 1, 1)
     if device.type == "cpu":

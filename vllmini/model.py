@@ -24,11 +24,10 @@ from vllmini.attention import (
     resolve_backend,
 )
 from vllmini.checks import as_float, as_int, cdiv, one_of
-from vllmini.cuda_kernels import LAYER_OP_HIDDEN, LAYER_OP_THREADS, launch_kernel
+from vllmini.cuda_kernels import LAYER_OP_HIDDEN, LAYER_OP_THREADS, launch_layer_op
 from vllmini.errors import CheckpointError, InvalidArgumentError, InvalidTypeError
 from vllmini.kv_cache import FLOAT_DTYPES, reshape_and_cache
 
-OPS = "layer_ops"  # kernels/layer_ops.cu: the layer's small steps fused, where attention runs a kernel
 ROPE_KEYS = {  # rope type -> what it reads from its scaling dict
     "default": (),
     "linear": ("factor",),
@@ -135,7 +134,7 @@ class RMSNorm(nn.Module):
         fused: one kernel, the sum written over `residual`."""
         if fused:
             out, (T, H) = torch.empty_like(x), x.shape
-            launch_kernel(OPS, "add_rms_norm", x, (T,), (out, residual, x, self.weight), (H,), (self.eps,))
+            launch_layer_op("add_rms_norm", x, (T,), (out, residual, x, self.weight), (H,), (self.eps,))
             return out, x if residual is None else residual
         x = x if residual is None else x + residual
         # upcasts to float32 inside and rounds once, as Llama does, in one kernel instead of seven
@@ -205,7 +204,7 @@ class Attention(nn.Module):
             q, slots = x.new_empty(T, nh, hd), meta.slot_mapping.long()
             tensors = (q, key_cache, value_cache, qkv, rope.cos, rope.sin_signed, rope.positions, slots)
             ints = (nh, self.num_kv_heads, hd, rope.cos.shape[0], key_cache.shape[0] * key_cache.shape[1])
-            launch_kernel(OPS, "rope_and_cache", qkv, (T, nh + 2 * self.num_kv_heads), tensors, ints)
+            launch_layer_op("rope_and_cache", qkv, (T, nh + 2 * self.num_kv_heads), tensors, ints)
         else:
             qk = apply_rotary(qkv[:, : -self.num_kv_heads * hd].view(T, -1, hd), rope.cos, rope.sin_signed)
             q, k = qk[:, :nh].contiguous(), qk[:, nh:]  # (T, nh, hd) as attention takes it, (T, nkv, hd)
@@ -258,7 +257,7 @@ class MLP(nn.Module):
         if fused:  # one kernel
             T, inner = x.shape[0], gate_up.shape[1] // 2
             h = gate_up.new_empty(T, inner)
-            launch_kernel(OPS, "silu_and_mul", h, (T, cdiv(inner, LAYER_OP_THREADS)), (h, gate_up), (inner,))
+            launch_layer_op("silu_and_mul", h, (T, cdiv(inner, LAYER_OP_THREADS)), (h, gate_up), (inner,))
             return self.down_proj(h)
         gate, up = gate_up.chunk(2, dim=-1)  # (T, inner) views each
         return self.down_proj(F.silu(gate) * up)

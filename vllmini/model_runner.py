@@ -29,7 +29,7 @@ def prepare_inputs(
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """input_ids (num_tokens,), positions (num_tokens,) and the AttentionMetadata of a batch."""
     spans, ids, pos = out.spans, [], []
-    for seq, (start, end) in zip(out.prefills, spans, strict=False):  # the prefills' chunks
+    for seq, (start, end) in zip(out.prefills, spans, strict=False):  # the prefills' chunks (spans' head)
         ids += seq.token_ids[start:end]
         pos += range(start, end)
     query_lens, seq_lens = [end - start for start, end in spans], [end for _, end in spans]

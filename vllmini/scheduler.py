@@ -188,7 +188,7 @@ class Scheduler:
         self._admitted.clear()  # this step's admissions only (none pile up when no snapshot() is taken)
         decode_slots = self._schedule_decodes(out)
         self._schedule_admissions(out)
-        bm, spans = self.block_manager, [(s.num_computed_tokens, out.prefill_end(s)) for s in out.prefills]
+        bm, spans = self.block_manager, out.spans[: len(out.prefills)]  # the decodes' slots come next
         for seq, (start, end) in zip(out.prefills, spans, strict=True):
             out.slot_mapping += bm.slot_mapping(seq.seq_id, start, end)
         out.slot_mapping += [decode_slots[s] for s in out.decodes]

@@ -150,7 +150,7 @@ class SchedulerOutput:
     def spans(self) -> list[tuple[int, int]]:
         """The tokens [start, end) each of `seqs` computes (a decode: its last one)."""
         prefills = [(s.num_computed_tokens, self.prefill_end(s)) for s in self.prefills]
-        return prefills + [(n - 1, n) for n in [s.num_tokens for s in self.decodes]]
+        return prefills + [(s.num_tokens - 1, s.num_tokens) for s in self.decodes]
 
     @property
     def seqs(self) -> list[Sequence]:
