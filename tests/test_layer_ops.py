@@ -11,7 +11,7 @@ from vllmini.attention import AttentionMetadata
 from vllmini.cuda_kernels import DTYPE_SUFFIX, LAYER_OP_THREADS, launch_layer_op, read_kernel_source
 from vllmini.emulator import OutOfBoundsError, RawKernel
 from vllmini.kv_cache import FLOAT_DTYPES, PagedKVCache, reshape_and_cache
-from vllmini.model import LlamaModel, RMSNorm, apply_rotary, rope_cos_sin
+from vllmini.model import LlamaConfig, LlamaModel, RMSNorm, apply_rotary, rope_cos_sin
 
 SOURCE = read_kernel_source("layer_ops")
 HEADS, KV_HEADS, HEAD, BLOCK, BLOCKS = 4, 2, 16, 4, 6  # a GQA layer: q 64 wide, k and v 32 each
@@ -48,22 +48,39 @@ def exact_close(got, exact, dtype):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_add_rms_norm(device, dtype, with_residual):
+@pytest.mark.parametrize("hidden", [296, 2056])  # 16-byte chunks: part of the threads busy; some take two
+def test_add_rms_norm(device, dtype, with_residual, hidden):
     g = torch.Generator().manual_seed(0)
     x, residual, weight = (
-        torch.randn(s, generator=g).to(dtype).to(device) for s in ((3, 300), (3, 300), (300,))
+        torch.randn(s, generator=g).to(dtype).to(device) for s in ((3, hidden), (3, hidden), (hidden,))
     )
-    norm = RMSNorm(300, 1e-5).to(dtype).to(device)
+    norm = RMSNorm(hidden, 1e-5).to(dtype).to(device)
     norm.weight.data = weight
     want = norm(x, residual.clone() if with_residual else None)  # the PyTorch path
     r = residual.clone() if with_residual else None
     out = torch.empty_like(x)
-    launch("add_rms_norm", (3,), (out, r, x, weight), (300,), (1e-5,))
+    launch("add_rms_norm", (3,), (out, r, x, weight), (hidden,), (1e-5,))
     close(out, want[0], dtype)
     if with_residual:
         assert torch.equal(r, want[1])  # the rounded sum, written over the residual
     s = (x.double() + residual.double()) if with_residual else x.double()
     exact_close(out, weight.double() * s / s.pow(2).mean(-1, keepdim=True).add(1e-5).sqrt(), dtype)
+    fused = norm(x, residual.clone() if with_residual else None, fused=True)  # RMSNorm's own launch
+    assert torch.equal(fused[0], out)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_add_rms_norm_takes_the_pytorch_path_where_its_chunks_do_not_fit(device):
+    """A row that does not start on a 16-byte boundary, or a model whose hidden size is not a multiple of
+    8, runs the PyTorch path: the kernel is never handed a misaligned row."""
+    g = torch.Generator().manual_seed(2)
+    base = torch.randn(3 * 64 + 1, generator=g).to(device)
+    x = base[1:].view(3, 64)  # 4 bytes past an aligned start
+    norm = RMSNorm(64, 1e-5).to(device)
+    assert x.data_ptr() % 16 and torch.equal(norm(x, fused=True)[0], norm(x)[0])
+    shape = dict(vocab_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    assert LlamaModel(LlamaConfig(hidden_size=64, **shape)).fits_layer_ops
+    assert not LlamaModel(LlamaConfig(hidden_size=68, **shape)).fits_layer_ops
 
 
 def rope_case(device, dtype):

@@ -330,6 +330,11 @@ def test_static_sustains_a_lower_rate_than_paging(model):
     assert by["paged", 40.0].mean_batch > 1.5 * by["static", 40.0].mean_batch
     text = format_sweep(pts)
     assert "paged / static" in text and "highest rate sustained" in text
+    assert [p.policy for p in pts[:4]] == ["static", "paged"] * 2  # rate by rate, every policy in turn
+    runs = []  # a budget that allows three runs: the third is static's second rate, paged is not behind
+    cut = rate_sweep(model, rates, policies=("static", "paged"), scale=SCALE, duration=3.0, seed=0,
+                     keep_going=lambda: len(runs) < 3, on_point=runs.append)  # fmt: skip
+    assert [(p.policy, p.rate) for p in cut] == [("static", 6.0), ("paged", 6.0), ("static", 40.0)]
 
 
 def test_plot_latency_vs_rate():

@@ -132,8 +132,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, fused: bool = False):
         """(norm(x + residual), x + residual) as vLLM's fused_add_rms_norm; (norm(x), x) without `residual`.
         fused: one kernel, the sum written over `residual`."""
-        if fused:
-            out, (T, H) = torch.empty_like(x), x.shape
+        if fused and all(t.data_ptr() % 16 == 0 for t in (x, self.weight, residual) if t is not None):
+            out, (T, H) = torch.empty_like(x), x.shape  # the kernel reads rows 16 bytes at a time
             launch_layer_op("add_rms_norm", x, (T,), (out, residual, x, self.weight), (H,), (self.eps,))
             return out, x if residual is None else residual
         x = x if residual is None else x + residual
@@ -295,7 +295,8 @@ class LlamaModel(nn.Module):
         # (hd/2,) float32: not a buffer, so model.to(bfloat16) cannot round it
         self.inv_freq = rope_inv_freq(config)
         self._rope_tables: dict = {}  # (device, dtype) -> [cos, signed sin] (positions, hd): `rope_tables`
-        self.fits_layer_ops = config.hidden_size <= LAYER_OP_HIDDEN and config.head_dim <= LAYER_OP_THREADS
+        h = config.hidden_size  # add_rms_norm reads 16-byte chunks of a row: 8 16-bit elements
+        self.fits_layer_ops = h <= LAYER_OP_HIDDEN and h % 8 == 0 and config.head_dim <= LAYER_OP_THREADS
         self.tokenizer = None  # a tokenizers.Tokenizer when the checkpoint has tokenizer.json
         self.chat_template: str | None = None  # Jinja text, when the checkpoint has one
         eos = config.eos_token_id

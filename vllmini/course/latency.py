@@ -225,10 +225,9 @@ def rate_sweep(
     The trace is drawn once at the highest rate and stretched for the lower ones (same requests, only
     the arrival rate changes). A run stops at max_time_factor * duration (its means are then lower
     bounds). With stop_past_threshold a policy stops at the first rate whose mean normalized latency
-    exceeds `factor` times its value at the lowest rate: higher rates would only be slower.
-    on_point(point) and on_run(run, point) are called after each run; keep_going() (e.g. a time budget)
-    is asked before each run and False stops the sweep.
-    """
+    exceeds `factor` times its value at the lowest rate. Rates run in turn, each under every policy still
+    going: a sweep that keep_going() (asked before each run) stops leaves no policy behind. on_point(point)
+    and on_run(run, point) are called after each run."""
     if policies is None:
         policies = sorted(POLICIES, key=lambda p: p == "paged")  # stable: the baselines keep their order
     rates, scale, duration, factor, max_time_factor = _check_sweep_args(
@@ -239,13 +238,12 @@ def rate_sweep(
     base = make_trace(
         rates[-1], duration, workload, max_model_len=max_len, scale=scale, vocab_size=vocab, seed=seed
     )
-    points = []
-    for policy in policies:
-        first = None
-        for rate in rates:
-            trace = at_rate(base, rate, rates[-1], duration)
-            if not trace:
-                continue
+    points, first, active = [], {}, list(policies)  # first: each policy's latency at its lowest rate
+    for rate in rates:  # rate by rate, every policy still running: a sweep cut short leaves none behind
+        trace = at_rate(base, rate, rates[-1], duration)
+        if not trace:
+            continue
+        for policy in list(active):
             if keep_going is not None and not keep_going():
                 return points
             engine = engine_at_scale(model, policy, scale)
@@ -256,9 +254,11 @@ def rate_sweep(
                 on_point(pt)
             if on_run is not None:
                 on_run(run, pt)
-            first = pt.mean_normalized_latency if first is None else first
-            if stop_past_threshold and pt.mean_normalized_latency > factor * first:
-                break
+            first.setdefault(policy, pt.mean_normalized_latency)
+            if stop_past_threshold and pt.mean_normalized_latency > factor * first[policy]:
+                active.remove(policy)
+        if not active:
+            break
     return points
 
 
@@ -295,7 +295,8 @@ def format_sweep(points: Sequence[SweepPoint], factor: float = 5.0) -> str:
         f"{'p50':>9} {'p99':>9} {'TTFT p50 (s)':>13} {'batch':>6} {'preempt':>7}"
     )
     lines = [head, "-" * len(head.split("\n")[1])]
-    for p in points:
+    order = {policy: i for i, policy in enumerate(dict.fromkeys(p.policy for p in points))}
+    for p in sorted(points, key=lambda p: (order[p.policy], p.rate)):  # a policy's runs together
         m, nl = p.metrics, p.metrics.normalized_latency
         mark = ">" if not m.complete else " "
         lines.append(
