@@ -81,6 +81,7 @@ import torch
 from cuda_timing import median_us, read_ceiling_us
 from tqdm.auto import tqdm
 
+from vllmini import cuda_kernels
 from vllmini.attention import AttentionMetadata
 from vllmini.course.memory import sample_requests
 from vllmini.engine import LLMEngine
@@ -112,6 +113,17 @@ ONE_B = dict(
     num_attention_heads=32,
     num_key_value_heads=8,
 )  # 0.85B parameters: TinyLlama-like (hidden 2048, GQA 32/8) with 16 layers
+SMOLLM2_135M = dict(  # the course model's shape (its config.json): speed does not depend on the weights
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    rope_theta=100000.0,
+    tie_word_embeddings=True,
+)
+SHAPES = {"tiny": TINY, "0.85b": ONE_B, "smollm2-135m": SMOLLM2_135M}
 
 ENGINE_OPTIONS: dict = {}  # options every engine of a run gets (--chunked-prefill, --max-num-batched-tokens)
 
@@ -643,7 +655,16 @@ def main() -> None:
     ap.add_argument("--host-only", action="store_true", help="host ms per decode step (last batch size)")
     ap.add_argument("--launch-count", action="store_true", help="kernels (CPU: aten ops) of a decode forward")
     ap.add_argument(
-        "--shape", choices=["tiny", "0.85b"], help="model shape (default: tiny on CPU, else 0.85b)"
+        "--shape",
+        choices=sorted(SHAPES),
+        help="model shape, random weights (default: tiny on CPU, else 0.85b; smollm2-135m: the course model)",
+    )
+    ap.add_argument(
+        "--min-split-tokens",
+        type=int,
+        metavar="N",
+        help="the kernels' shortest context piece (vllmini.cuda_kernels.MIN_SPLIT_TOKENS, 256): to try "
+        "splitting shorter contexts",
     )
     ap.add_argument(
         "--model",
@@ -673,8 +694,11 @@ def main() -> None:
     on_gpu = args.device == "cuda"
     if not on_gpu:  # the tiny model's matrices are too small to share out: threads only add waiting
         torch.set_num_threads(1)
-    shape = ONE_B if args.shape == "0.85b" or (on_gpu and args.shape is None) else TINY
-    dtype = torch.bfloat16 if shape is ONE_B or (args.model and on_gpu) else torch.float32
+    shape = SHAPES[args.shape or ("0.85b" if on_gpu else "tiny")]
+    dtype = torch.bfloat16 if shape is not TINY or (args.model and on_gpu) else torch.float32
+    if args.min_split_tokens:  # read by every launch plan, the captured graphs' included
+        cuda_kernels.MIN_SPLIT_TOKENS = args.min_split_tokens
+        print(f"context pieces of at least {args.min_split_tokens} tokens (MIN_SPLIT_TOKENS)")
     if args.model:
         model = LlamaModel.from_pretrained(resolve(args.model), dtype=dtype, device=args.device)
     else:

@@ -2,6 +2,7 @@
 
     python benchmarks/bench_tensor_cores.py                      # the GQA shapes of issue 24, fp16 and bf16
     python benchmarks/bench_tensor_cores.py --small --repeats 3  # a short run (e.g. under compute-sanitizer)
+    python benchmarks/bench_tensor_cores.py --shapes 64x255x32x8 1x255x32x8 --splits 1,2,4,8  # short contexts
 
 Every output is checked against float64 first. Times: CUDA events, L2 flushed before each call, median of
 --repeats calls. Rows: version 9 at several context splits, version 8 (its own launch plan, guard on), and
@@ -103,6 +104,12 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--splits", default="1,2,4", help="version 9 context splits to time")
     p.add_argument("--small", action="store_true", help="small shapes only (sanitizers)")
+    p.add_argument(
+        "--shapes",
+        nargs="+",
+        metavar="BxLxHxKV",
+        help="batch x context x heads x kv_heads (default: issue 24's three GQA shapes at B64 L4096)",
+    )
     p.add_argument("--variant", action="append", default=[], help="NAME=OLD=>NEW: a text edit of the source")
     p.add_argument(
         "--variant-file", action="append", default=[], help="NAME=PATH: another text of the source"
@@ -121,6 +128,8 @@ def main(argv=None) -> None:
         sources[name] = Path(path).read_text()
     splits = [int(s) for s in args.splits.split(",")]
     shapes = [(64, 4096, 32, 8), (64, 4096, 32, 4), (64, 4096, 64, 8)]  # (batch, context, heads, kv_heads)
+    if args.shapes:  # e.g. 64x255x32x8: a decode step's short contexts, to try the split rule
+        shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes]
     if args.small:
         shapes, splits = [(3, 300, 8, 2), (2, 77, 16, 1)], [1, 3]
     dtypes = (torch.float16, torch.bfloat16)

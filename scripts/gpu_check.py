@@ -5,6 +5,7 @@
     PYTHONPATH=. python scripts/gpu_check.py bench     # bench_attention.py --preset h200, bench_engine.py
     PYTHONPATH=. python scripts/gpu_check.py serve     # bench_serving.py: latency against request rate
     PYTHONPATH=. python scripts/gpu_check.py engine    # bench_engine.py: CUDA graphs, prefix caching, chunks
+    PYTHONPATH=. python scripts/gpu_check.py decode    # the decode step: tables, split rule, SmolLM2 shape
     PYTHONPATH=. python scripts/gpu_check.py all       # all four (longer than 10 minutes)
     python scripts/gpu_check.py pack                   # beforehand, with pip access: wheels into .whl/
 
@@ -236,6 +237,26 @@ def tier_engine(debug: bool = False):
         for log in sorted(OUT.glob("engine_*.log")):
             joined.write(f"==== {log.name}\n{log.read_text()}\n")
             log.unlink()
+
+
+def tier_decode():
+    """The decode step (issue 25): the 0.85B decode table, the same with context pieces down to 64 tokens
+    (does splitting a short context pay inside the forward?), the course model's shape, and version 9 alone
+    on short contexts at 1-8 pieces. JSON records in $OUT."""
+    deadline = time.time() + TIER_BUDGET_S
+    py, bench = sys.executable, str(ROOT / "benchmarks" / "bench_engine.py")
+    OUT.mkdir(parents=True, exist_ok=True)
+    table = [py, bench, "--device", "cuda", "--decode-table", "--batch-sizes", "1", "8", "64",
+             "--new-tokens", "64"]  # fmt: skip
+    for item, flags in (
+        ("decode table 0.85B", ["--json", str(OUT / "decode_table.json")]),
+        ("decode table 0.85B, pieces >= 64 tokens", ["--min-split-tokens", "64", "--no-hf"]),
+        ("decode table SmolLM2-135M shape", ["--shape", "smollm2-135m", "--json", str(OUT / "smollm2.json")]),
+    ):
+        run_item("decode", item, table + flags, 150, deadline)
+    shapes = ["1x255x32x8", "8x255x32x8", "64x255x32x8", "64x511x32x8", "64x1023x32x8"]
+    cmd = [py, str(ROOT / "benchmarks" / "bench_tensor_cores.py"), "--shapes", *shapes, "--splits", "1,2,4,8"]
+    run_item("decode", "version 9 on short contexts", cmd, 120, deadline)
 
 
 # ----------------------------------------------------------------------------- the kernel driver
@@ -520,13 +541,13 @@ def main() -> int:
         return kernel_driver(*sys.argv[2:4])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "tier", choices=["quick", "sanitize", "bench", "serve", "engine", "engine-debug", "all"]
+        "tier", choices=["quick", "sanitize", "bench", "serve", "engine", "engine-debug", "decode", "all"]
     )
     args = parser.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     write_env()
     tiers = {"quick": tier_quick, "sanitize": tier_sanitize, "bench": tier_bench, "serve": tier_serve}
-    tiers |= {"engine": tier_engine, "engine-debug": lambda: tier_engine(debug=True)}
+    tiers |= {"engine": tier_engine, "engine-debug": lambda: tier_engine(debug=True), "decode": tier_decode}
     for name in ("quick", "sanitize", "bench", "serve") if args.tier == "all" else [args.tier]:
         tiers[name]()
     return summary()
