@@ -72,6 +72,7 @@ Recorded 2026-11-30 (same seeds; batch and memory do not depend on the model or 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 from dataclasses import dataclass
@@ -126,6 +127,14 @@ SMOLLM2_135M = dict(  # the course model's shape (its config.json): speed does n
 SHAPES = {"tiny": TINY, "0.85b": ONE_B, "smollm2-135m": SMOLLM2_135M}
 
 ENGINE_OPTIONS: dict = {}  # options every engine of a run gets (--chunked-prefill, --max-num-batched-tokens)
+
+
+def freeze_startup_heap() -> None:
+    """What a server does once its model is loaded (vLLM's engine core: gc.collect() then gc.freeze()): the
+    objects alive now are left out of Python's cyclic garbage collector, whose oldest-generation passes
+    otherwise stop a step for ~0.1 s now and then to scan them (this VM: 88 ms, 176,000 objects)."""
+    gc.collect()
+    gc.freeze()
 
 
 def random_model(shape: dict, max_len: int, dtype: torch.dtype, device: str, seed: int = 0) -> LlamaModel:
@@ -508,10 +517,10 @@ def launch_count(model, batch: int = 1, context: int = 255) -> tuple[int, str]:
     return sum(e.device_type.name == "CUDA" for e in prof.events()), "CUDA kernels (torch.profiler)"
 
 
-def host_step_ms(batch: int = 256, steps: int = 30, sampled: bool = False) -> float:
+def host_step_ms(batch: int = 256, steps: int = 30, sampled: bool = False) -> tuple[float, dict]:
     """Median wall time (ms) of an engine decode step of `batch` sequences with the forward stubbed out
     (fixed random logits over the tiny model's vocabulary): the host part of a step, scheduling, inputs,
-    sampling and commit."""
+    sampling and commit; and where it goes, {phase: mean ms per step} (each phase's calls timed)."""
     model = random_model(TINY, 4096, torch.float32, "cpu")
     logits = torch.randn(batch, TINY["vocab_size"], generator=torch.Generator().manual_seed(0))
     model.forward = lambda input_ids, positions, kv, meta, **kw: logits[: meta.num_seqs]
@@ -521,12 +530,39 @@ def host_step_ms(batch: int = 256, steps: int = 30, sampled: bool = False) -> fl
     for i in range(batch):
         engine.add_request([3 + i % 200] * 16, params)
     engine.step()  # the prefills
+    freeze_startup_heap()  # (the phases' means would otherwise hold an occasional 0.1 s collection)
+    spent: dict = {}
+    for phase, obj, name in (
+        ("schedule", engine.scheduler, "schedule"),
+        ("snapshot", engine.scheduler, "snapshot"),
+        ("inputs", engine.runner, "prepare_inputs"),
+        ("checks", model, "check_metadata"),
+        ("forward+sampling", engine, "_forward_and_sample"),
+        ("commit", engine, "_commit"),
+    ):
+        setattr(obj, name, _timed(getattr(obj, name), phase, spent))  # on this instance only
     times = []
     for _ in range(steps):
         t = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t)
-    return sorted(times)[steps // 2] * 1e3
+    phases = {k: v / steps * 1e3 for k, v in spent.items()}
+    phases["sampling"] = phases.pop("forward+sampling") - phases["inputs"] - phases["checks"]  # forward: stub
+    phases["other"] = sum(times) / steps * 1e3 - sum(phases.values())
+    return sorted(times)[steps // 2] * 1e3, phases
+
+
+def _timed(fn, phase: str, spent: dict):
+    """fn, adding the seconds of each call to spent[phase]."""
+
+    def timed(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent[phase] = spent.get(phase, 0.0) + time.perf_counter() - t
+
+    return timed
 
 
 def plot(main: list[Result], by_len: list[Result], by_block: list[Result], path: str) -> None:
@@ -703,6 +739,7 @@ def main() -> None:
         model = LlamaModel.from_pretrained(resolve(args.model), dtype=dtype, device=args.device)
     else:
         model = random_model(shape, 4096, dtype, args.device)
+    freeze_startup_heap()
     n_params = sum(p.numel() for p in model.parameters())
     print(
         f"model: {n_params / 1e6:.1f}M parameters, {dtype}, {args.device}; scale 1/{scale}: max_model_len "
@@ -716,10 +753,12 @@ def main() -> None:
 
     if args.host_only:
         for sampled in (False, True):
-            ms = host_step_ms(args.batch_sizes[-1], sampled=sampled)
+            ms, phases = host_step_ms(args.batch_sizes[-1], sampled=sampled)
             kind = "T 0.8, top_p 0.9, seeded" if sampled else "greedy"
+            where = ", ".join(f"{k} {v:.2f}" for k, v in sorted(phases.items(), key=lambda kv: -kv[1]))
             print(
                 f"host ms per decode step, batch {args.batch_sizes[-1]}, stubbed forward, {kind}: {ms:.2f} ms"
+                f" (median; mean per step: {where})"
             )
         return
     if args.decode_table or args.launch_count:
