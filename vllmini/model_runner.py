@@ -17,7 +17,7 @@ import torch
 from vllmini.attention import AttentionMetadata, to_device
 from vllmini.block_manager import BlockManager
 from vllmini.checks import as_int, cdiv
-from vllmini.cuda_kernels import check_kernel_errors, kernel_error_buffer
+from vllmini.cuda_kernels import MIN_SPLIT_TOKENS, check_kernel_errors, kernel_error_buffer
 from vllmini.errors import InvalidArgumentError
 from vllmini.kv_cache import PagedKVCache
 from vllmini.model import LlamaModel
@@ -140,7 +140,6 @@ class ModelRunner:
 
 NUM_FIELDS = 4  # input_ids, positions, slot_mapping, seq_lens; then the block tables
 MAX_CAPTURE_SIZE = 512  # vLLM's default largest captured batch
-NARROWEST_GRAPH_TOKENS = 256  # cuda_kernels.MIN_SPLIT_TOKENS: no narrower table splits differently
 
 
 def capture_sizes(max_batch_size: int) -> list[int]:
@@ -152,7 +151,7 @@ def capture_sizes(max_batch_size: int) -> list[int]:
 
 def capture_widths(max_width: int, block_size: int) -> list[int]:
     """Table widths (blocks) to capture: 256, 512, 1024 ... tokens, then max_width."""
-    widths, tokens = [], NARROWEST_GRAPH_TOKENS
+    widths, tokens = [], MIN_SPLIT_TOKENS  # the shortest context piece: no narrower table splits differently
     while cdiv(tokens, block_size) < max_width:
         widths, tokens = widths + [cdiv(tokens, block_size)], tokens * 2
     return widths + [max_width]
