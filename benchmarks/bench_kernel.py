@@ -4,8 +4,8 @@ bench_attention.py times `vllmini.paged_attention` as a user calls it. This scri
   raw       cuda_kernels.paged_attention_kernel (--version, default the best) on inputs validated once
   validate  validate_decode_args alone (one device-to-host copy of block_tables + seq_lens)
   full      vllmini.paged_attention(..., backend="cupy")
-on the shapes (a), (d), (e), (f) of benchmarks/RESULTS.md: head size 128, block_size 16, random K/V, random
-non-identity block tables over a pool twice the needed size. Before timing, the raw kernel's output is
+on the shapes (a), (b), (d), (e), (f) of benchmarks/RESULTS.md: head size 128, block_size 16, random K/V,
+random non-identity block tables over a pool twice the needed size. Before timing, the raw kernel's output is
 checked against a float64 reference on the first sequences. CUDA events, median of --repeats calls,
 L2 flushed (256 MB written) before every call.
 
@@ -15,6 +15,8 @@ L2 flushed (256 MB written) before every call.
 (the fair way to compare variants: timings move by 10-20% between runs on the same GPU), e.g.
     git show HEAD~3:kernels/paged_attention_8_guard.cu > /tmp/old.cu
     python benchmarks/bench_kernel.py --dtype float16 --version 8 --compare /tmp/old.cu
+--splits N ... also times the raw kernel with the context cut into N pieces (its output checked first),
+to try the split rule (cuda_kernels.SPLIT_TARGET_BLOCKS_PER_SM), e.g. --version 8 --splits 1 4 8 16 33.
 bench_attention.py times every version side by side.
 """
 
@@ -32,6 +34,7 @@ from vllmini.attention import validate_decode_args
 
 SHAPES = {  # name: (batch, query heads, kv heads, context)
     "(a) B=64 H=32 L=4096": (64, 32, 32, 4096),
+    "(b) B=16 H=32 L=4096": (16, 32, 32, 4096),
     "(d) B=1 H=32 L=32768": (1, 32, 32, 32768),
     "(e) GQA B=64 32q/8kv L=4096": (64, 32, 8, 4096),
     "(f) B=1 H=32 L=4096": (1, 32, 32, 4096),
@@ -80,40 +83,41 @@ def bench_shape(
     flush: torch.Tensor,
     other: str | None = None,
     version: int | None = None,
+    splits: tuple[int, ...] = (),
 ) -> str:
-    """Check the kernel on one shape, then time raw / validate / full; returns the table row."""
+    """Check the kernel on one shape, then time raw / validate / full (and raw at each forced piece count
+    of `splits`, each output checked first); returns the table row."""
     B, H, KVH, L = shape
     q, kc, vc, bt, sl = make_case(B, H, KVH, L, dtype)
     a = validate_decode_args(q, kc, vc, bt, sl)
-    out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
+    out = torch.empty_like(q)
 
-    def raw():
-        cuda_kernels.paged_attention_kernel(
-            a.query, a.key_cache, a.value_cache, a.block_tables, a.seq_lens, a.scale, out, version=version
-        )
+    def kernel(**kw):  # the kernel on this shape's inputs (kw: num_splits=, source=)
+        return lambda: cuda_kernels.paged_attention_kernel(
+            a.query, a.key_cache, a.value_cache, a.block_tables, a.seq_lens, a.scale, out,
+            version=version, **kw,
+        )  # fmt: skip
 
-    raw()
-    err = check(out, q, kc, vc, bt, sl)
-    if not (torch.isfinite(out).all() and err < (1e-5 if dtype == torch.float32 else 1e-2)):
-        raise SystemExit(f"{name}: kernel output wrong (relative error {err:.2e}); not timing it")
+    def checked(fn, what: str) -> float:  # fn's output against float64, before anything is timed
+        out.fill_(float("nan"))  # poisoned: every element must be written
+        fn()
+        err = check(out, q, kc, vc, bt, sl)
+        if not (torch.isfinite(out).all() and err < (1e-5 if dtype == torch.float32 else 1e-2)):
+            raise SystemExit(f"{name}: {what} output wrong (relative error {err:.2e}); not timing it")
+        return err
+
+    raw = kernel()
+    err = checked(raw, "kernel")
     t_raw = time_us(raw, repeats, flush)
     t_val = time_us(lambda: validate_decode_args(q, kc, vc, bt, sl), repeats, flush)
     t_full = time_us(lambda: vllmini.paged_attention(q, kc, vc, bt, sl, backend="cupy"), repeats, flush)
     tbs = 2 * B * L * KVH * 128 * kc.element_size() / t_raw / 1e6
     row = f"{name:30} {t_raw:9.1f} {tbs:6.2f} {t_val:12.1f} {t_full:9.1f} {err:8.1e}"
-    if other is not None:  # the other version, same data, checked the same way first
-
-        def raw_other():
-            cuda_kernels.paged_attention_kernel(
-                a.query, a.key_cache, a.value_cache, a.block_tables, a.seq_lens, a.scale, out,
-                version=version, source=other,
-            )  # fmt: skip
-
-        out.fill_(float("nan"))
-        raw_other()
-        err_other = check(out, q, kc, vc, bt, sl)
-        if not (torch.isfinite(out).all() and err_other < (1e-5 if dtype == torch.float32 else 1e-2)):
-            raise SystemExit(f"{name}: --compare kernel output wrong (relative error {err_other:.2e})")
+    for n in splits:  # the same kernel, the context cut into n pieces (1: no split)
+        checked(forced := kernel(num_splits=n), f"{n}-piece")
+        row += f" {n}:{time_us(forced, repeats, flush):.1f}"
+    if other is not None:  # the other text of this version, same data, checked the same way first
+        checked(raw_other := kernel(source=other), "--compare kernel")
         t_other = time_us(raw_other, repeats, flush)
         t_again = time_us(raw, repeats, flush)  # this version again: the spread of one run
         row += f" {t_other:10.1f} {t_other / t_raw:6.2f} {t_again:9.1f}"
@@ -126,6 +130,9 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--compare", metavar="OLD.cu", help="also time this text of the version's file")
     parser.add_argument("--version", type=int, help="kernel version (default: the best, as backend='cupy')")
+    parser.add_argument(
+        "--splits", type=int, nargs="*", default=[], help="also time raw at these piece counts"
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernel.py needs an NVIDIA GPU with CuPy (see bench_attention.py for CPU)")
@@ -138,7 +145,8 @@ def main(argv=None) -> None:
     head = f"{'shape':30} {'raw us':>9} {'TB/s':>6} {'validate us':>12} {'full us':>9} {'rel err':>8}"
     print(head + (f" {'other us':>10} {'ratio':>6} {'raw again':>9}" if other else ""))
     for name, shape in SHAPES.items():
-        print(bench_shape(name, shape, dtype, args.repeats, flush, other, args.version), flush=True)
+        row = bench_shape(name, shape, dtype, args.repeats, flush, other, args.version, tuple(args.splits))
+        print(row, flush=True)
         torch.cuda.empty_cache()
 
 

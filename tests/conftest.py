@@ -57,3 +57,15 @@ def model(hf):
     from vllmini.model import LlamaModel
 
     return LlamaModel.from_pretrained(hf, dtype=torch.float32)
+
+
+@pytest.fixture
+def steps_run(monkeypatch):
+    """The num_steps of every multi-step the engines run (ModelRunner.execute_steps spied)."""
+    from vllmini.model_runner import ModelRunner
+
+    spy, execute_steps = [], ModelRunner.execute_steps
+    monkeypatch.setattr(
+        ModelRunner, "execute_steps", lambda *a: spy.append(a[1].num_steps) or execute_steps(*a)
+    )
+    return spy

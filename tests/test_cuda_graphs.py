@@ -172,6 +172,37 @@ def test_graphs_give_the_eager_engines_tokens(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_multi_step_replays_give_the_eager_engines_tokens(dtype, steps_run):
+    """num_scheduler_steps=5 with graphs (batch 3, 8) and eagerly on the GPU (11: above the largest
+    captured size): each step's argmax feeds the next replay on the device; max_tokens staggered (rows
+    past theirs write nothing) and a stop token ends some samples mid-way."""
+    _clear_guard()
+    spy = steps_run
+    model = LlamaModel.from_pretrained(random_hf_model(), dtype=dtype, device="cuda")
+    kw = dict(block_size=4, num_blocks=256, max_num_seqs=64, max_cuda_graph_batch_size=8)
+    for n in (3, 8, 11):
+        prompts = [PROMPTS[i % len(PROMPTS)] + [i % 100] for i in range(n)]
+        params = [SamplingParams(max_tokens=6 + 3 * i, ignore_eos=True) for i in range(n)]
+        stop = (
+            LLMEngine(model, **kw).generate(prompts, params, use_tqdm=False)[0].output_token_ids[3]
+        )  # some stop on it
+        params = [
+            SamplingParams(max_tokens=6 + 3 * i, ignore_eos=True, stop_token_ids=[stop]) for i in range(n)
+        ]
+        outs = {}
+        for steps, graphs in ((1, False), (5, False), (5, True)):
+            spy.clear()
+            engine = LLMEngine(model, use_cuda_graphs=graphs, num_scheduler_steps=steps, **kw)
+            outs[steps, graphs] = [
+                o.output_token_ids for o in engine.generate(prompts, params, use_tqdm=False)
+            ]
+            assert (5 in spy) == (steps > 1) and engine.num_forwards == len(engine.stats), (n, steps, spy)
+        assert outs[5, True] == outs[5, False] == outs[1, False], n
+        assert outs[1, False][0][-1] == stop
+
+
+@pytest.mark.gpu
 def test_a_graph_per_table_width_gives_the_eager_engines_tokens():
     """Contexts that grow across the 256- and 512-token widths replay the narrowest graph that holds them
     (its kernels split for that width) and give the eager engine's tokens."""

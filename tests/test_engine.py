@@ -19,7 +19,7 @@ from vllmini.outputs import RequestOutput
 from vllmini.sampling import SamplingParams, sample
 
 transformers = pytest.importorskip("transformers")
-from engine_faults import corrupt_first_page  # noqa: E402
+from engine_faults import corrupt_first_page, fails_once_per_step  # noqa: E402
 from llama_cases import assert_same_greedy, greedy_reference, random_hf_model  # noqa: E402 (needs transformers)
 
 MAX_TOKENS = 16
@@ -182,6 +182,108 @@ def test_stop_token_ids_and_eos(model, prompts, reference):
     assert out.finish_reason == "length" and out.output_token_ids == tokens
 
 
+@pytest.mark.parametrize("policy", ["paged", "static", "oracle"])
+def test_multi_step_gives_the_single_steps_tokens(model, prompts, reference, policy, steps_run):
+    """num_scheduler_steps=4: decode-only batches run 4 forwards per schedule (each step's argmax is the
+    next one's input), with max_tokens staggered (a row past its own writes nothing), stop tokens ending
+    samples mid-way and requests of 2 samples; the tokens, the stats per forward and the pool as with one
+    step per schedule."""
+    stop = reference[6][0][4]
+    params = [
+        SamplingParams(
+            max_tokens=4 + i, ignore_eos=True, stop_token_ids=[] if i % 2 else [stop], n=1 + i % 3 // 2
+        )
+        for i in range(len(prompts))
+    ]
+    runs = {}
+    for steps in (1, 4):
+        steps_run.clear()
+        engine = LLMEngine(model, block_size=4, num_blocks=160, policy=policy, num_scheduler_steps=steps)
+        outs = engine.generate(prompts, params, use_tqdm=False)
+        runs[steps] = [(o.output_token_ids, [x.token_ids for x in o.outputs], o.finish_reason) for o in outs]
+        assert engine.num_forwards == len(engine.stats) and sum(s.num_generated for s in engine.stats) == sum(
+            len(x.token_ids) for o in outs for x in o.outputs
+        )
+        bm = engine.scheduler.block_manager
+        assert bm.num_free_blocks == bm.num_blocks and len(bm) == 0
+        assert (4 in steps_run) == (steps == 4), steps_run
+    assert runs[4] == runs[1]
+    assert any(reason == "stop" for *_, reason in runs[1]) and any(r == "length" for *_, r in runs[1])
+    assert_same_greedy(
+        [
+            o
+            for o, p in zip(
+                LLMEngine(model, block_size=4, num_blocks=160, num_scheduler_steps=4).generate(
+                    prompts, GREEDY, use_tqdm=False
+                ),
+                prompts,
+                strict=True,
+            )
+        ],
+        reference,
+    )
+
+
+def test_multi_step_only_runs_greedy_batches_with_nothing_waiting(model, prompts, steps_run):
+    engine = LLMEngine(model, block_size=4, num_blocks=160, num_scheduler_steps=4)
+    engine.generate(
+        prompts[:2], [GREEDY, SamplingParams(max_tokens=8, temperature=0.8, seed=1)], use_tqdm=False
+    )
+    engine.generate(prompts[:2], [GREEDY, SamplingParams(max_tokens=8, logprobs=2)], use_tqdm=False)
+    small = LLMEngine(model, block_size=4, num_blocks=160, num_scheduler_steps=4, max_num_seqs=2)
+    small.generate(prompts[:3], GREEDY, use_tqdm=False)  # the third waits while the first two decode
+    # a sampled or logprobs request (8 tokens) keeps the greedy one (16) to single steps until it finishes:
+    # then 8 tokens left, 4 + 4; the third request runs alone at the end: 15 tokens after its prefill
+    assert steps_run == [4, 4] + [4, 4] + [4, 4, 4, 3], steps_run
+
+
+def test_a_failed_multi_step_is_rolled_back_and_retried(model, prompts):
+    """Each step's first forward fails after writing the KV cache: the whole multi-step (its slots, its
+    tokens) is undone and the retry gives the uninterrupted run's tokens."""
+    clean = LLMEngine(model, block_size=4, num_blocks=160, num_scheduler_steps=4)
+    want = [o.output_token_ids for o in clean.generate(prompts, GREEDY, use_tqdm=False)]
+    engine = LLMEngine(model, block_size=4, num_blocks=160, num_scheduler_steps=4)
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    done, failures = {}, 0
+    with fails_once_per_step(engine):
+        while engine.has_unfinished_requests():
+            try:
+                done.update((o.request_id, o.output_token_ids) for o in engine.step())
+            except RuntimeError:
+                failures += 1
+    assert [done[i] for i in ids] == want
+    assert failures == 1 + 4 and engine.num_forwards == len(engine.stats) == MAX_TOKENS  # prefill, 4+4+4+3
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and len(bm) == 0
+
+
+def test_a_failure_late_in_a_multi_step_commit_undoes_the_whole_step(model, prompts, monkeypatch):
+    """A fault while committing the 4th forward's tokens: no token, stat or forward of the step is kept
+    (the first three forwards' commits included), and the retry gives the clean run's tokens."""
+    clean = LLMEngine(model, block_size=4, num_blocks=160, num_scheduler_steps=4)
+    want = [o.output_token_ids for o in clean.generate(prompts, GREEDY, use_tqdm=False)]
+    engine = LLMEngine(model, block_size=4, num_blocks=160, num_scheduler_steps=4)
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    engine.step()  # the prefill
+    finish_reason, calls = engine.outputs.finish_reason, []
+
+    def failing(seq, token):
+        calls.append(token)
+        if len(calls) == 3 * len(prompts) + 1:
+            raise RuntimeError("injected")
+        return finish_reason(seq, token)
+
+    monkeypatch.setattr(engine.outputs, "finish_reason", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    assert engine.num_forwards == len(engine.stats) == 1
+    assert all(len(s.output_token_ids) == 1 for s in engine.scheduler.running)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o.output_token_ids) for o in engine.step())
+    assert [done[i] for i in ids] == want and engine.num_forwards == len(engine.stats) == MAX_TOKENS
+
+
 def test_eos_ids_come_from_the_model(model):
     assert LLMEngine(model, num_blocks=8).eos_token_ids == {2}
 
@@ -336,13 +438,15 @@ def test_step_by_step_returns_each_request_once(model, prompts):
     assert engine.step() == []
 
 
-def test_emulator_backend_gives_the_same_tokens(model, prompts):
+def test_emulator_backend_gives_the_same_tokens(model, prompts, steps_run):
     """The decode path through the CUDA source run on the CPU (prefill stays on torch)."""
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     torch_out = LLMEngine(model, block_size=4, num_blocks=32).generate(prompts[:4], params, use_tqdm=False)
-    engine = LLMEngine(model, block_size=4, num_blocks=32, backend="emulator")
-    emu_out = engine.generate(prompts[:4], params, use_tqdm=False)
-    assert [o.output_token_ids for o in emu_out] == [o.output_token_ids for o in torch_out]
+    for steps in (1, 3):  # 3: multi-step, the padded forward a CUDA graph records (fused layer kernels too)
+        engine = LLMEngine(model, block_size=4, num_blocks=32, backend="emulator", num_scheduler_steps=steps)
+        emu_out = engine.generate(prompts[:4], params, use_tqdm=False)
+        assert [o.output_token_ids for o in emu_out] == [o.output_token_ids for o in torch_out], steps
+    assert steps_run == [3]
 
 
 # -----------------------------------------------------------------------------
@@ -403,6 +507,8 @@ def test_engine_config_from_keywords_config_or_both(model):
         (dict(enable_chunked_prefill=1), InvalidTypeError, "enable_chunked_prefill must be a bool"),
         (dict(max_cuda_graph_batch_size=513), InvalidArgumentError, "max_cuda_graph_batch_size"),
         (dict(use_cuda_graphs=1), InvalidTypeError, "use_cuda_graphs must be a bool"),
+        (dict(num_scheduler_steps=0), InvalidArgumentError, "num_scheduler_steps"),
+        (dict(num_scheduler_steps=65), InvalidArgumentError, "num_scheduler_steps"),
         (dict(blocksize=4), InvalidTypeError, "unknown engine option.*blocksize"),
     ],
 )

@@ -322,6 +322,22 @@ FIGURES = [
         "h200_decode_table.json",
         lambda: (f"{decode_row(64)['graph_host_ms']:.1f}",),
     ),
+    Figure(
+        "With `num_scheduler_steps={}` (multi-step: a greedy decode batch runs {} forwards",
+        "h200_decode_table.json",
+        lambda: (
+            (8, 8) if "num_scheduler_steps=8" in recorded("h200_decode_table.json")["what"] else ("?", "?")
+        ),
+    ),
+    Figure(
+        "the same run makes {} / {} / {} tokens/s, {}x / {}x / {}x `generate`, a step {}x / {}x / {}x the",
+        "h200_decode_table.json",
+        lambda: (
+            *(f"{r['multi_tok_s']:,.0f}" for r in decode_rows()),
+            *(f"{r['multi_tok_s'] / r['hf_tok_s']:.0f}" for r in decode_rows()),
+            *(f"{r['multi_step_ms'] / r['read_ms']:.1f}" for r in decode_rows()),
+        ),
+    ),
     # paging: the batch and memory of bench_engine.py's full-size run (they do not depend on the model)
     Figure("max_model_len {};", "engine_cpu.json", lambda: (recorded("engine_cpu.json")["max_model_len"],)),
     Figure(
@@ -520,7 +536,9 @@ def _decode_line(r: dict) -> tuple:
         r["hf_tok_s"],
         r["eager_tok_s"],
         r["graph_tok_s"],
+        r["multi_tok_s"],
         r["graph_tok_s"] / r["hf_tok_s"],
+        r["multi_tok_s"] / r["hf_tok_s"],
         r["gpu_ms"] / r["read_ms"],
     )
 
@@ -611,7 +629,7 @@ NOTEBOOK_FIGURES = [
         (
             "06_engine.ipynb",
             '"h200_decode_table.json"',
-            rf"batch +{b} +{N} +{N} +{N} +{N}x +{N}x",
+            rf"batch +{b} +{N} +{N} +{N} +{N} +{N}x +{N}x +{N}x",
             lambda b=b: _decode_line(decode_row(b)),
         )
         for b in (1, 8, 64)

@@ -514,6 +514,27 @@ def test_non_finite_logits_end_a_greedy_request_with_error(model, poison, logpro
     assert_pool_empty(engine)
 
 
+@pytest.mark.parametrize("poison", list(POISONS))
+def test_non_finite_logits_in_a_multi_step_end_only_that_request(model, poison, steps_run):
+    """The same inside a multi-step (greedy requests, num_scheduler_steps=4): the row's argmax is
+    flagged on the device, the request ends with "error" at that forward, the other gets every token."""
+    _, other = _prompts()
+    greedy = SamplingParams(max_tokens=4, ignore_eos=True)
+    waves = [(0, [(other[:3], greedy), (other[:9], greedy)])]  # request 1 poisoned at its 3rd token
+    expected = final_tokens(drive(LLMEngine(model, block_size=4, num_blocks=32), waves)[0], waves)
+    engine = LLMEngine(model, block_size=4, num_blocks=32, num_scheduler_steps=4)
+    engine.model.forward = _poisoning(engine, 11, POISONS[poison])
+    try:
+        outputs, failures = drive(engine, waves)
+    finally:
+        del engine.model.forward
+    got = final_tokens(outputs, waves)
+    [(tokens, reason, error)] = got[1]
+    assert (tokens, reason, failures, steps_run) == (expected[1][0][0][:2], "error", 0, [3])
+    assert "not finite" in error and got[0] == expected[0]
+    assert_pool_empty(engine)
+
+
 def test_a_minus_inf_logit_is_not_an_error(model):
     """-inf is a masked token, not a fault: the request runs as usual."""
     _, other = _prompts()

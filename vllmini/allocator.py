@@ -1,8 +1,6 @@
-"""The block allocator (notebook 02): physical KV-cache block ids with reference counts, in O(1).
-
-The free list is lazy: ids never handed out are implicit (>= a high-water mark), returned ids sit on a
-stack used first. A failed call leaves the allocator exactly as it was.
-"""
+"""The block allocator (notebook 02): physical KV-cache block ids with reference counts, in O(1). The free
+list is lazy: ids never handed out are implicit (>= a high-water mark), returned ids sit on a stack used
+first. A failed call leaves the allocator exactly as it was."""
 
 from collections.abc import Sequence
 

@@ -1,8 +1,6 @@
-"""Paged attention: keys and values read from a paged KV cache through block tables. Token t of sequence s
-lives at key_cache[block_tables[s, t // block_size], t % block_size]    # (num_kv_heads, head_size)
-Decode (`paged_attention`): each sequence's one new token attends to its whole context. Prefill
-(`paged_prefill_attention`): each sequence's new tokens (its last, already cached) attend causally.
-
+"""Paged attention: token t of sequence s lives at key_cache[block_tables[s, t // block_size], t % block_size]
+(num_kv_heads, head_size). Decode (`paged_attention`): each sequence's one new token attends to its context;
+prefill (`paged_prefill_attention`): each sequence's new tokens (its last, already cached) attend causally.
 Shapes, dtypes and devices are checked on the host; the values of block_tables and seq_lens one of three
 ways (`validate=`; None: `guarded_by_default` picks "guard" or "host"):
     "host"  (True)   checked with numpy on the host: free for CPU tensors, one sync for CUDA ones.
@@ -10,8 +8,7 @@ ways (`validate=`; None: `guarded_by_default` picks "guard" or "host"):
                      its sequence's rows come out NaN, and `check_kernel_errors()` raises it later.
     "trust" (False)  no check, for a caller that checked these tables already (check_block_tables).
 Backends: "torch" (gather, then SDPA); "cupy" (a GPU) and "emulator" (the CPU) launch a cuda_kernels version
-(`kernel_version=`); "auto": "cupy" for CUDA tensors when CuPy works, else "torch".
-"""
+(`kernel_version=`); "auto": "cupy" for CUDA tensors when CuPy works, else "torch"."""
 
 from __future__ import annotations
 
@@ -177,9 +174,8 @@ def _gather_pages(args: DecodeArgs, lens: torch.Tensor, min_len: int, dtype: tor
     if min_len < L:
         used = torch.arange(nb, device=kc.device) * block_size < lens[:, None]  # (S, nb)
         pages = torch.where(used, pages, 0)
-    S, pages = len(pages), pages.reshape(-1)  # index_select: the pages in table order, (S * nb, bs, kvh, hs)
-    k = kc.index_select(0, pages).view(S, nb * block_size, *kc.shape[2:])[:, :L].to(dtype)  # (S, L, kvh, hs)
-    v = args.value_cache.index_select(0, pages).view(S, nb * block_size, *kc.shape[2:])[:, :L].to(dtype)
+    shape = (len(pages), nb * block_size, *kc.shape[2:])  # index_select: the pages in table order
+    k, v = (c.index_select(0, pages.reshape(-1)).view(shape)[:, :L].to(dtype) for c in (kc, args.value_cache))
     if min_len < L:
         tail = (torch.arange(min_len, L, device=kc.device) >= lens[:, None])[:, :, None, None]
         k[:, min_len:].masked_fill_(tail, 0)
@@ -188,9 +184,8 @@ def _gather_pages(args: DecodeArgs, lens: torch.Tensor, min_len: int, dtype: tor
 
 
 def _sdpa_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float) -> torch.Tensor:
-    """SDPA of q (S, N, nh, hs) over k, v (S, L, kvh, hs); mask (S, N, L) or None. A KV head serves G =
-    nh / kvh query heads: on the CPU through enable_gqa (faster there); on CUDA its G heads become G x N
-    rows, since no fused CUDA kernel takes a mask with enable_gqa (PyTorch falls back to its math path)."""
+    """SDPA of q (S, N, nh, hs) over k, v (S, L, kvh, hs), mask (S, N, L) or None. A KV head's G query heads
+    go through enable_gqa on the CPU (faster there), as G x N rows on CUDA (no fused kernel masks with it)."""
     (S, N, num_heads, head_size), kvh = q.shape, k.shape[2]
     k, v = k.transpose(1, 2), v.transpose(1, 2)  # (S, kvh, L, hs) strided views; SDPA takes them as is
     if q.device.type == "cpu":
@@ -221,8 +216,7 @@ def _decode_torch(args: DecodeArgs) -> torch.Tensor:
 
 
 def _prefill_torch(args: DecodeArgs, lens: np.ndarray, starts: np.ndarray) -> torch.Tensor:
-    """The whole prefill in one SDPA: new tokens on a padded (S, N) grid, row j of sequence s at position
-    lens[s] - n_s + j (chunks start mid-sequence), a causal mask; lens, starts: host copies."""
+    """The whole prefill in one causal SDPA, new tokens on a padded (S, N) grid; lens, starts: host copies."""
     q, S, device, heads = args.query, len(lens), args.query.device, args.query.shape[1:]
     q_lens = np.diff(starts)  # (S,) new tokens of each sequence
     N = int(q_lens.max())
@@ -265,10 +259,7 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype | Non
 
 
 def guarded_by_default(
-    backend: str,
-    device: torch.device,
-    dtype: torch.dtype,
-    kernel_version: int | str | KernelVersion | None = None,
+    backend: str, device: torch.device, dtype: torch.dtype, kernel_version: int | str | None = None
 ) -> bool:
     """Who checks the tables when validate is None (decided here only): True, the in-kernel guard."""
     backend = resolve_backend(backend, device, dtype)
@@ -309,11 +300,9 @@ def paged_attention(
     backend: str = "auto",
     validate: bool | str | None = None,
     kernel_version: int | str | None = None,
-    max_seq_len: int | None = None,
+    max_seq_len: int | None = None,  # max(seq_lens) on the host (None: the tables' width), for the splits
 ) -> torch.Tensor:  # (num_seqs, num_heads, head_size), query's dtype
-    """Decode attention, each sequence's one query over its seq_lens[s] cached tokens (module doc).
-    max_seq_len: max(seq_lens) as the host knows it (None: the tables' width), the kernels' splits come from
-    it. The device-free checks run once per call signature; later calls go straight to the planned launch."""
+    """Decode attention, each sequence's one query over its seq_lens[s] cached tokens (module doc)."""
     tensors = (query, key_cache, value_cache, block_tables, seq_lens)
     try:
         key = (*[x for t in tensors for x in (t.shape, t.dtype, t.device)], scale, backend, validate,
@@ -323,14 +312,12 @@ def paged_attention(
         key = known = None
     fast = known is not None and (max_seq_len is None or type(max_seq_len) is int)
     if fast and all(map(torch.Tensor.is_contiguous, tensors)):
-        backend, version, scale, error, calls = known
+        (backend, version, scale, error, calls), width = known, block_tables.shape[1]
         if backend == "torch":
-            return _decode_torch(DecodeArgs(*tensors, scale, block_tables.shape[1] * key_cache.shape[1], 0))
+            return _decode_torch(DecodeArgs(*tensors, scale, width * key_cache.shape[1], 0))
         if (call := calls.get(max_seq_len)) is None:
-            where = (version, backend, query.device, query.dtype, query.shape, key_cache.shape)
-            call = calls[max_seq_len] = cuda_kernels.plan_call(
-                *where, block_tables.shape[1], None, max_seq_len
-            )
+            where = (version, backend, query.device, query.dtype, query.shape, key_cache.shape, width)
+            call = calls[max_seq_len] = cuda_kernels.plan_call(*where, None, max_seq_len)
         return call.run(tensors, torch.empty_like(query), error, scale)
     return _checked_paged_attention(tensors, scale, backend, validate, kernel_version, max_seq_len, key)
 
@@ -428,14 +415,13 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
 
 @dataclasses.dataclass
 class AttentionMetadata:
-    """Where this step's tokens go in the cache and what each sequence reads: prefills first, then decodes
-    (one token each); sequence i's new tokens, query_start_loc[i]:query_start_loc[i+1], are its last."""
+    """Where this step's tokens go in the cache and what each sequence reads: prefills first, then decodes."""
 
     slot_mapping: torch.Tensor  # (num_tokens,) int64: cache slot of each new token
     block_tables: torch.Tensor  # (num_seqs, max_num_blocks_per_seq) int32, padded with -1
     seq_lens: torch.Tensor  # (num_seqs,) int32: tokens in the cache after this step
-    query_start_loc: torch.Tensor  # (num_seqs + 1,) int32: cumulative new tokens
-    num_prefills: int  # the first num_prefills sequences use the prefill path
+    query_start_loc: torch.Tensor  # (num_seqs + 1,) int32: cumulative new tokens (each sequence's last)
+    num_prefills: int  # the first num_prefills sequences use the prefill path; the rest decode one token each
     num_prefill_tokens: int  # = query_start_loc[num_prefills]
     host_checked: bool = False  # `check_on_host` passed: the forward skips its own checks (GPU syncs)
     has_padding: bool = False  # slot_mapping may hold unchecked -1 rows (a CUDA graph's padding)

@@ -1,13 +1,11 @@
-"""Every sequence's page table over one shared block pool (notebook 03; sharing: notebook 08).
-
-A `BlockManager` keeps one `BlockTable` per sequence over a shared `BlockAllocator`: admission with a
-watermark, growth, forks that share blocks (copy-on-write copies handed out by `take_pending_copies`), a
-`PrefixCache` when enabled, undo (`snapshot`/`restore`), and the padded `block_tables` / `seq_lens`
-tensors paged attention reads (vLLM's names).
-"""
+"""Every sequence's page table over one shared block pool (notebook 03; sharing: notebook 08): one
+`BlockTable` per sequence over a shared `BlockAllocator`, with admission under a watermark, growth, forks
+that share blocks (copy-on-write copies handed out by `take_pending_copies`), a `PrefixCache` when enabled,
+undo (`snapshot`/`restore`), and the padded `block_tables` / `seq_lens` (vLLM's names) attention reads."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Hashable, Iterable
 from itertools import zip_longest
 from typing import TYPE_CHECKING
@@ -102,8 +100,7 @@ class BlockManager:
             self.allocator.free(self.prefix_cache.evict())
 
     def allocate(self, seq_id: Hashable, num_tokens: int, shared=()) -> list[int]:
-        """Start a sequence of `num_tokens` tokens on the full blocks `shared` (a cached prefix, a
-        sibling's) and its own for the rest; returns their slots."""
+        """Start `seq_id` on full blocks `shared` (a cached prefix, a sibling's) + its own; returns slots."""
         if as_hashable(seq_id, "seq_id") in self._tables:
             raise VllminiError(f"seq_id {seq_id!r} already exists")
         if not self.can_allocate(num_tokens, shared):  # the watermark rule has one home
@@ -145,8 +142,7 @@ class BlockManager:
         return table.append_tokens(num_tokens)
 
     def cached_prefix(self, token_ids: list[int], hashes: list[bytes]) -> list[int]:
-        """The cached blocks a new sequence can start on (its last token is always computed); `hashes`,
-        its hash chain, is extended in place."""
+        """The cached blocks a new sequence can start on (never its last token); extends its `hashes`."""
         token_ids = as_token_ids(token_ids, "token_ids")
         if not isinstance(hashes, list):
             raise InvalidTypeError(f"hashes must be the sequence's hash chain (a list), got {hashes!r}")
@@ -160,21 +156,18 @@ class BlockManager:
     def cache_full_blocks(
         self, seq_id, token_ids: list[int], hashes: list[bytes], start: int, end: int
     ) -> int:
-        """Name by their hash the blocks of `seq_id` that computed tokens [start, end) filled; returns how
-        many new cache entries were made."""
+        """Name by hash the blocks of `seq_id` that tokens [start, end) filled; returns how many are new."""
         if self.prefix_cache is None:
             return 0
         table, bs = self.block_table(seq_id), self.block_size
         start, end = as_int(start, "start", min=0), as_int(end, "end", min=0)
         first, last = start // bs, min(end, table.num_tokens) // bs  # blocks that became full
         extend_hashes(hashes, token_ids, last, bs)
-        made, block_ids = 0, table.block_ids
-        for i in range(first, last):
-            parent = hashes[i - 1] if i else None
-            made += self.prefix_cache.register(
-                block_ids[i], hashes[i], parent, token_ids[i * bs : (i + 1) * bs]
-            )
-        return made
+        register, block_ids = self.prefix_cache.register, table.block_ids
+        return sum(
+            register(block_ids[i], hashes[i], hashes[i - 1] if i else None, token_ids[i * bs : (i + 1) * bs])
+            for i in range(first, last)
+        )
 
     def _release(self, block_id: int) -> bool:
         """Keep a cached block whose last owner leaves (as evictable) instead of freeing it."""
@@ -192,8 +185,7 @@ class BlockManager:
         self._tables[child_id] = parent.fork()
 
     def free(self, seq_id) -> None:
-        """Finish `seq_id`: its blocks go back to the pool; one still to be copied from stays pinned until
-        `take_pending_copies()`."""
+        """Finish `seq_id`: its blocks go back to the pool (a pending copy's source once copies are taken)."""
         table = self.block_table(seq_id)
         del self._tables[seq_id]
         needed = {src for t in self._tables.values() for src, _ in t.pending_copies}
@@ -218,10 +210,9 @@ class BlockManager:
 
     def snapshot(self) -> tuple:
         """The whole state, for `restore` (e.g. a step whose forward raised). O(num_blocks)."""
-        allocator = self.allocator.snapshot()
         tables = {s: (t, t.block_ids, t.num_tokens, tuple(t.pending_copies)) for s, t in self._tables.items()}
         cache = self.prefix_cache.snapshot() if self.prefix_cache is not None else None
-        return allocator, tables, set(self._pinned), cache
+        return self.allocator.snapshot(), tables, set(self._pinned), cache
 
     def restore(self, snapshot: tuple) -> None:
         """Put back the state `snapshot()` saved (the same table objects); the snapshot stays reusable."""
@@ -264,10 +255,7 @@ class BlockManager:
 
     def sharing(self) -> dict:
         """What sharing saves now: logical_blocks (held without sharing), shared_blocks, cached_blocks."""
-        owners: dict[int, int] = {}  # physical block -> sequences holding it
-        for table in self._tables.values():
-            for block_id in table.block_ids:
-                owners[block_id] = owners.get(block_id, 0) + 1
+        owners = Counter(b for t in self._tables.values() for b in t.block_ids)  # block -> its sequences
         return {
             "logical_blocks": sum(owners.values()),
             "shared_blocks": sum(k > 1 for k in owners.values()),
@@ -275,8 +263,7 @@ class BlockManager:
         }
 
     def usage(self, num_tokens: int) -> dict:
-        """`utilization()` and `sharing()` in O(sequences), for every step; `num_tokens`: what the caller
-        counts. The tables are walked only when blocks are shared."""
+        """`utilization()` and `sharing()` in O(sequences), for every step, from the caller's `num_tokens`."""
         used = self.num_blocks - self.num_free_blocks
         logical, shared = sum(t.num_blocks for t in self._tables.values()), 0
         if logical > used - self.num_pinned_blocks:  # some physical block has several owners

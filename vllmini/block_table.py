@@ -3,8 +3,7 @@
     slot(t) = block_ids[t // block_size] * block_size + t % block_size
 
 Forked tables share blocks (reference counts); writing into a shared, partly filled last block first
-copies it (copy-on-write), recorded as (src_block, dst_block) in `pending_copies`.
-"""
+copies it (copy-on-write), recorded as (src_block, dst_block) in `pending_copies`."""
 
 from __future__ import annotations
 
@@ -26,8 +25,7 @@ def block_fill(tables: Iterable[tuple[Sequence[int], int]], block_size: int) -> 
 
 def pool_utilization(tables: Iterable[tuple[Sequence[int], int]], block_size: int, num_blocks: int,
                      used_blocks: int) -> dict:  # fmt: skip
-    """How well a pool of `num_blocks`, `used_blocks` of them held, is used by sequences given as
-    (block_ids, num_tokens) pairs (BlockManager.utilization, the pictures)."""
+    """How well sequences given as (block_ids, num_tokens) use a pool of `num_blocks`, `used_blocks` held."""
     num_tokens = sum(block_fill(tables, block_size).values())
     allocated_slots, pool_slots = used_blocks * block_size, num_blocks * block_size
     return {
@@ -47,8 +45,7 @@ class BlockTable:
     def __init__(self, allocator: BlockAllocator, block_size: int):
         if not isinstance(allocator, BlockAllocator):
             raise InvalidTypeError(f"allocator must be a BlockAllocator, got {type(allocator).__name__}")
-        self.allocator = allocator
-        self.block_size = as_block_size(block_size)
+        self.allocator, self.block_size = allocator, as_block_size(block_size)
         self._block_ids: list[int] = []
         self._num_tokens = 0
         self.pending_copies: list[tuple[int, int]] = []  # (src_block, dst_block) copy-on-write jobs

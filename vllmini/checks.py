@@ -1,8 +1,6 @@
-"""The argument checks every public entry point shares, and small shared formulas (`cdiv`).
-
-Each check returns the cleaned value or raises a VllminiError naming the argument, the bad value and what
-was expected. numpy and torch integer scalars count as ints; bools and floats do not.
-"""
+"""The argument checks every public entry point shares, and small shared formulas (`cdiv`). Each check
+returns the cleaned value or raises a VllminiError naming the argument, the bad value and what was
+expected. numpy and torch integer scalars count as ints; bools and floats do not."""
 
 from __future__ import annotations
 
@@ -98,8 +96,7 @@ def as_float(
 def as_fraction(value, name: str, interval: str) -> float:
     """`value` as a float in `interval`: "(0, 1]" or "[0, 1)"."""
     value = as_float(value, name)
-    inside = 0.0 < value <= 1.0 if interval == "(0, 1]" else 0.0 <= value < 1.0
-    if not inside:
+    if not (0.0 < value <= 1.0 if interval == "(0, 1]" else 0.0 <= value < 1.0):
         raise InvalidArgumentError(f"{name} must be in {interval}, got {value}")
     return value
 
@@ -118,11 +115,10 @@ def check_tensor(
     ndim: int | None = None,
     dtypes=None,
     device=None,
-    shape: tuple | None = None,
-    shape_desc: str | None = None,
+    shape: tuple | None = None,  # None entries: any size
+    shape_desc: str | None = None,  # the layout, for messages: e.g. "[num_seqs, num_heads, head_size]"
 ):
-    """`t` if it is a torch.Tensor of `ndim`, one of `dtypes`, on `device`, of `shape` (None: any size);
-    `shape_desc` names the layout in messages, e.g. "[num_seqs, num_heads, head_size]"."""
+    """`t` if it is a torch.Tensor of `ndim`, one of `dtypes`, on `device`, of `shape`."""
     import torch
 
     desc = f" {shape_desc}" if shape_desc else ""

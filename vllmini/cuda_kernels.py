@@ -1,7 +1,6 @@
 """The CUDA kernels of kernels/paged_attention_<n>_<what it adds>.cu: the registry (VERSIONS), the launch
 plan, and a launch on torch tensors through "cupy" (NVRTC, cuLaunchKernel on torch's current stream) or the
-"emulator" (the same source on the CPU). `paged_attention_kernel` is the checked public launch.
-"""
+"emulator" (the same source on the CPU). `paged_attention_kernel` is the checked public launch."""
 
 from __future__ import annotations
 
@@ -78,8 +77,7 @@ def read_kernel_source(name: str) -> str:
 
 @dataclass(frozen=True)
 class KernelVersion:
-    """One paged-attention kernel: kernels/paged_attention_<number>_<name>.cu and how to launch it. The chain
-    is cumulative: version n is version n - 1 plus the one idea its name says (`has` asks for an idea)."""
+    """One paged-attention kernel (kernels/paged_attention_<number>_<name>.cu): version n - 1 plus `name`."""
 
     number: int
     name: str  # the one idea it adds, e.g. "half_warps"
@@ -106,8 +104,7 @@ class KernelVersion:
         return self.has("guard")
 
 
-# every version the course has, in order, each the previous one plus one idea: (number, name, dtypes, threads,
-# summary)
+# every version, in order, each the previous one plus one idea: (number, name, dtypes, threads, summary)
 VERSIONS: tuple[KernelVersion, ...] = tuple(KernelVersion(*row) for row in (
     (1, "plain", (torch.float32,), 128, "scores in shared memory, three passes (notebook 05b)"),
     (2, "warp_softmax", FLOAT_DTYPES, 256, "a warp per token, online softmax per warp"),
@@ -135,15 +132,14 @@ def kernel_versions() -> Mapping[int, KernelVersion]:
 
 
 def resolve_kernel_version(
-    version: KernelVersion | int | str | None,
+    version: KernelVersion | int | str | None,  # None: 9 for a 16-bit GQA group on tensor cores, else 8
     dtype: torch.dtype | None = None,
     *,
-    head_size: int | None = None,
+    head_size: int | None = None,  # 9 is picked for 64 or 128
     group: int = 1,
-    tensor_cores: bool = True,
+    tensor_cores: bool = True,  # sm_80+, or the emulator
 ) -> KernelVersion:
-    """A KernelVersion from a number, a name ("half_warps"), a stem ("4_half_warps") or itself. None: 9
-    for a 16-bit GQA group of head size 64 or 128 on tensor cores (sm_80+, or the emulator), else 8."""
+    """A KernelVersion from a number, a name ("half_warps"), a stem ("4_half_warps") or itself."""
     versions = kernel_versions()
     if version is None:
         tc = versions.get(TENSOR_CORES)
@@ -228,8 +224,7 @@ def launch_plan(
         heads_per_block = max(h for h in (4, 2, 1) if h <= hb_max and group % h == 0)
         lane_groups = version.threads // (16 if sixteen else 32)
         if version.has("fewer_instructions"):  # shared memory strided by the compiled copy's HBMAX
-            compiled_hb = 1 if heads_per_block == 1 else hb_max
-            shared_mem = lane_groups * compiled_hb * (head_size + 2) * 4
+            shared_mem = lane_groups * (1 if heads_per_block == 1 else hb_max) * (head_size + 2) * 4
             options = (f"-DVLLMINI_ONLY_CHUNKS={chunks}", f"-DVLLMINI_ONLY_GQA={int(heads_per_block > 1)}")
         else:
             shared_mem, options = lane_groups * heads_per_block * (head_size + 2) * 4, ()
@@ -336,12 +331,11 @@ def paged_attention_kernel(
     *,
     version: KernelVersion | int | str | None = None,
     error: torch.Tensor | None = None,  # int32 [5] guard record (versions with guard=True), or None
-    num_splits: int | None = None,
-    source: str | None = None,
+    num_splits: int | None = None,  # forces a split (tests)
+    source: str | None = None,  # another kernel text (benchmarks)
     max_seq_len: int | None = None,
 ) -> torch.Tensor:
-    """Check what no kernel survives, launch one version (None: the auto rule) sync-free, fill out. `error`:
-    the in-kernel guard's record; `num_splits` forces a split (tests); `source`: another text (benchmarks)."""
+    """Check what no kernel survives, launch one version (None: the auto rule) sync-free, fill `out`."""
     one_of(runtime, "runtime", RUNTIMES)
     tensors = (query, key_cache, value_cache, block_tables, seq_lens, out)
     names = ("query", "key_cache", "value_cache", "block_tables", "seq_lens", "out")
@@ -493,9 +487,8 @@ def plan_call(
         )
     # the arguments each idea adds to the signature: (num_blocks), heads_per_block, pages_per_split
     ints = (num_blocks,) * kernel.guard + (block_size, num_heads, head_size, num_kv_heads, width)
-    ints += (plan.heads_per_block,) * kernel.has("kv_head_blocks") + (plan.pages_per_split,) * kernel.has(
-        "split_context"
-    )
+    ints += (plan.heads_per_block,) * kernel.has("kv_head_blocks")
+    ints += (plan.pages_per_split,) * kernel.has("split_context")
     split = plan.num_splits > 1
     merge_name = f"{kernel.file}_merge" + (DTYPE_SUFFIX[dtype] if kernel.has("fewer_instructions") else "")
     names, file, index = (kernel.function(dtype), merge_name if split else None), kernel.file, device.index
@@ -531,9 +524,8 @@ class _Packer:
 
 
 def launch_layer_op(name: str, like: torch.Tensor, grid: tuple, tensors, ints=(), floats=()) -> None:
-    """One launch of kernels/layer_ops.cu::<name> in like's dtype (<name>, <name>_f16, <name>_bf16) on
-    like's device: torch's current stream, or the emulator for CPU tensors. Arguments in the signature's
-    order: tensors (None: a null pointer), int32s, float32s."""
+    """One launch of kernels/layer_ops.cu::<name> (_f16, _bf16: like's dtype) on like's device (CPU: the
+    emulator); arguments in the signature's order: tensors (None: a null pointer), int32s, float32s."""
     file, pointers = "layer_ops", tuple(0 if t is None else t.data_ptr() for t in tensors)
     function, device = name + DTYPE_SUFFIX[like.dtype], like.device
     grid, block = (*grid, 1, 1, 1)[:3], (LAYER_OP_THREADS, 1, 1)

@@ -28,7 +28,7 @@ from vllmini.errors import EngineStateError, InvalidArgumentError, InvalidTypeEr
 from vllmini.model import LlamaModel
 from vllmini.model_runner import ModelRunner
 from vllmini.outputs import InputProcessor, OutputProcessor, RequestOutput, StepStats
-from vllmini.sampling import SamplingParams, sample_batch, sample_seed, token_logprobs
+from vllmini.sampling import SamplingParams, not_finite, sample_batch, sample_seed, token_logprobs
 from vllmini.scheduler import Scheduler, check_policy
 from vllmini.sequence import SchedulerOutput, Sequence, SequenceStatus
 
@@ -62,6 +62,9 @@ class EngineConfig:
     # backend "cupy" or "torch", off on the CPU (where True raises)
     use_cuda_graphs: bool | None = None
     max_cuda_graph_batch_size: int = 256  # the largest decode batch replayed from a graph (at most 512)
+    # multi-step (vLLM's num_scheduler_steps): a decode-only batch of greedy requests with nothing waiting
+    # runs up to this many forwards per schedule, the host's work once for all (1: off)
+    num_scheduler_steps: int = 1
 
     def __post_init__(self):
         self.block_size = as_block_size(self.block_size)
@@ -91,6 +94,7 @@ class EngineConfig:
         self.max_cuda_graph_batch_size = as_int(
             self.max_cuda_graph_batch_size, "max_cuda_graph_batch_size", min=1, max=512
         )
+        self.num_scheduler_steps = as_int(self.num_scheduler_steps, "num_scheduler_steps", min=1, max=64)
         if self.max_model_len is not None:
             self.check_batched_tokens(self.max_model_len)
 
@@ -267,12 +271,14 @@ class LLMEngine:
             num_ready = len(self._ready)
             try:
                 out = sched.schedule()
+                if (steps := self._num_steps(out)) > 1:
+                    sched.plan_steps(out, steps)
                 usage = sched.usage(out)  # the KV memory during this step's forward
                 if out.is_empty and sched.has_unfinished():
                     raise self._no_progress_error()
                 copies = sched.block_manager.take_pending_copies()  # copy-on-write (src, dst) blocks
                 self.runner.copy_blocks(copies)
-                sampled = self._forward_and_sample(out, saved) if not out.is_empty else ([], [], [])
+                sampled = self._forward_and_sample(out, saved) if not out.is_empty else ([], [[]], [])
                 sigint.hold()
                 if not out.is_empty:  # a failure in the commit is undone too
                     self._commit(out, sampled, usage, sched.num_preemptions - before, len(copies), t0)
@@ -296,14 +302,32 @@ class LLMEngine:
             f"no progress: {self.scheduler.stall_message()}; abort_request({head}) removes it"
         )
 
+    def _num_steps(self, out: SchedulerOutput) -> int:
+        """Forwards `out` may run on one schedule: num_scheduler_steps for a decode-only batch of greedy
+        requests without logprobs while none waits (at most the tokens the longest may still take), else 1."""
+        most = self.config.num_scheduler_steps
+        if most == 1 or out.prefills or out.preempted or not out.decodes or self.scheduler.waiting:
+            return 1
+        params = [s.sampling_params for s in out.decodes]
+        if any(not p.is_greedy or p.logprobs is not None for p in params):
+            return 1
+        return min(most, max(s.max_tokens - len(s.output_token_ids) for s in out.decodes))
+
     @torch.inference_mode()
     def _forward_and_sample(self, out, saved: list) -> tuple[list, list, list]:
-        """The forward, then (out.samplers, their tokens or exceptions, logprobs or None); saves (sequence,
-        generator state) of the sampled ones in `saved` first."""
+        """The forward, then (out.samplers, a list per forward of their tokens or exceptions, logprobs or
+        None); saves (sequence, generator state) of the sampled ones in `saved` first."""
+        if out.num_steps > 1:  # multi-step: greedy, each step's tokens from the device's argmax
+            tokens, bad = self.runner.execute_steps(out, self.scheduler.block_manager)
+            steps = [
+                [not_finite(i) if b else t for i, (t, b) in enumerate(zip(ts, bs, strict=True))]
+                for ts, bs in zip(tokens, bad, strict=True)
+            ]
+            return out.samplers, steps, [None] * len(out.decodes)
         logits = self.runner.execute(out, self.scheduler.block_manager)  # (S, V)
         samplers = out.samplers  # forked samples draw from their parent's row
         if not samplers:  # only chunks of prompts ran
-            return [], [], []
+            return [], [[]], []
         seqs, rows = [s for s, _ in samplers], [i for _, i in samplers]
         params = [s.sampling_params for s in seqs]
         saved += [(s, s.generator.get_state()) for s, p in zip(seqs, params, strict=True) if not p.is_greedy]
@@ -315,53 +339,62 @@ class LLMEngine:
             entries = token_logprobs(logits, [rows[j] for j in want], [tokens[j] for j in want], num_logprobs)
             for j, entry in zip(want, entries, strict=True):
                 logprobs[j] = entry
-        return samplers, tokens, logprobs
+        return samplers, [tokens], logprobs
 
     def _commit(self, out, sampled: tuple, usage: dict, num_preemptions: int, copies: int, t0: float) -> None:
-        """Append each sequence's token and retire the finished ones (Ctrl-C is held meanwhile)."""
-        sched, finished = self.scheduler, 0
-        samplers, tokens, logprobs = sampled
+        """Append each sequence's token (multi-step: each forward's in turn) and retire the finished ones
+        (Ctrl-C is held meanwhile); a StepStats per forward."""
+        sched = self.scheduler
+        samplers, steps, logprobs = sampled
         for seq in out.partial_prefills:  # a chunk of its prompt: computed, nothing to sample yet
             sched.mark_computed(seq, out.prefill_end(seq))
-        streamed = {}  # request_id -> a sample of each streaming request that got a token
-        for (seq, _), token, lp in zip(samplers, tokens, logprobs, strict=True):
-            sched.mark_computed(seq)  # its K/V are in the cache now (and findable, with prefix caching)
-            if seq.sampling_params.output_kind != "final_only":
-                streamed.setdefault(seq.request_id, seq)
-            if isinstance(token, Exception):
-                reason, seq.error = "error", f"sampling failed: {type(token).__name__}: {token}"
-            else:
-                seq.output_token_ids.append(token)
-                if lp is not None:
-                    seq.output_logprobs.append(lp)
-                reason = self.outputs.finish_reason(seq, token)
-            if reason is None:
-                continue
-            sched.finish(seq, reason)
-            finished += 1
-            if all(s.status is SequenceStatus.FINISHED for s in seq.group):
-                self._ready.append(self.outputs.output(seq))
+        streamed, records = {}, []  # request_id -> a streaming request's sample that got a token; StepStats
+        seconds, counts = (time.perf_counter() - t0) / len(steps), [getattr(out, n) for n in out.COUNTS]
+        for j, tokens in enumerate(steps):
+            generated = finished = 0
+            for (seq, _), token, lp in zip(samplers, tokens, logprobs, strict=True):
+                if seq.status is SequenceStatus.FINISHED:  # multi-step: at an earlier forward of this step
+                    continue
+                sched.mark_computed(seq)  # its K/V are in the cache now (and findable, with prefix caching)
+                if seq.sampling_params.output_kind != "final_only":
+                    streamed.setdefault(seq.request_id, seq)
+                if isinstance(token, Exception):
+                    reason, seq.error = "error", f"sampling failed: {type(token).__name__}: {token}"
+                else:
+                    seq.output_token_ids.append(token)
+                    generated += 1
+                    if lp is not None:
+                        seq.output_logprobs.append(lp)
+                    reason = self.outputs.finish_reason(seq, token)
+                if reason is None:
+                    continue
+                sched.finish(seq, reason)
+                finished += 1
+                if all(s.status is SequenceStatus.FINISHED for s in seq.group):
+                    self._ready.append(self.outputs.output(seq))
+            first = j == 0  # a multi-step's later forwards: decodes only, each row one token further
+            records.append(
+                StepStats(
+                    step=self.num_forwards + j,
+                    num_prefills=len(out.prefills),
+                    num_decodes=len(out.decodes),
+                    num_waiting=len(sched.waiting),
+                    num_preemptions=num_preemptions * first,
+                    num_generated=generated,
+                    num_finished=finished,
+                    seconds=seconds,
+                    num_copies=copies * first,
+                    **{name: n * first for name, n in zip(out.COUNTS, counts, strict=True)},  # prefill, cache
+                    **dict(usage, num_tokens=usage["num_tokens"] + j * len(out.decodes)),
+                )
+            )
         for seq in streamed.values():  # streaming requests still running: what they have so far
             if any(s.status is not SequenceStatus.FINISHED for s in seq.group):
                 self._ready.append(self.outputs.output(seq))
         if len(self.stats) >= 2 * STATS_WINDOW:  # bounded: the last STATS_WINDOW steps or more
             del self.stats[:-STATS_WINDOW]
-        self.num_forwards += 1
-        self.stats.append(
-            StepStats(
-                step=self.num_forwards - 1,
-                num_prefills=len(out.prefills),
-                num_decodes=len(out.decodes),
-                num_waiting=len(sched.waiting),
-                num_preemptions=num_preemptions,
-                num_generated=sum(not isinstance(t, Exception) for t in tokens),
-                num_finished=finished,
-                seconds=time.perf_counter() - t0,
-                num_copies=copies,
-                **{name: getattr(out, name) for name in SchedulerOutput.COUNTS},  # prefill and prefix-cache
-                **usage,
-            )
-        )
+        self.stats += records  # last: a failure above leaves them as they were
+        self.num_forwards += len(records)
 
     def _prompt_list(self, prompts) -> list:
         """`prompts` as a list: one str, list of ids or 1-D tensor/array is one prompt."""

@@ -1,8 +1,6 @@
-"""The paged KV cache (notebook 04): per layer, K and V pools cut into fixed-size blocks (pages).
-
-A token's K/V lives at slot = block_id * block_size + offset; `reshape_and_cache` writes new tokens'
-K/V to their slots (vLLM's name). Pools are [num_blocks, block_size, num_kv_heads, head_size].
-"""
+"""The paged KV cache (notebook 04): per layer, K and V pools cut into fixed-size blocks (pages), each
+[num_blocks, block_size, num_kv_heads, head_size]. A token's K/V lives at slot = block_id * block_size +
+offset; `reshape_and_cache` writes new tokens' K/V to their slots (vLLM's name)."""
 
 from __future__ import annotations
 
@@ -19,6 +17,7 @@ CACHE_DTYPES = (*FLOAT_DTYPES, torch.float64)  # what attention can read (float6
 INDEX_DTYPES = (torch.int32, torch.int64)  # block ids, slots, lengths
 _POOL = "[num_blocks, block_size, num_kv_heads, head_size]"
 _NEW = "[num_tokens, num_kv_heads, head_size]"
+_SLOTS = "[num_tokens]"
 
 
 def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
@@ -49,30 +48,20 @@ def reshape_and_cache(
     value_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_size)
     slot_mapping: torch.Tensor,  # (num_tokens,) int32/int64, -1 = padding (skipped)
     *,
-    validate: bool = True,
-    padding: bool = False,
+    validate: bool = True,  # False: skip the slot checks (a host sync), the caller ran `check_slot_mapping`
+    padding: bool = False,  # then -1 rows rewrite row 0's K/V into row 0's slot (no sync, no mask)
 ) -> None:
-    """Write each token's key/value into its slot, in place; all is checked before anything is written.
-
-    validate=False skips the slot checks (a host sync) for a caller that ran `check_slot_mapping` on this
-    mapping; padding=True then lets -1 rows rewrite row 0's K/V into row 0's slot (no sync, no mask)."""
+    """Write each token's key/value into its slot, in place; all is checked before anything is written."""
     check_cache_pair(key_cache, value_cache)
     num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
-    device = key_cache.device
-    kv_shape = (None, num_kv_heads, head_size)
+    device, kv_shape = key_cache.device, (None, num_kv_heads, head_size)
     for name, t in (("key", key), ("value", value)):
         check_tensor(t, name, dtypes=key_cache.dtype, device=device, shape=kv_shape, shape_desc=_NEW)
     if key.shape != value.shape:
         raise InvalidArgumentError(f"key and value shapes differ: {tuple(key.shape)} vs {tuple(value.shape)}")
     check_tensor(
-        slot_mapping,
-        "slot_mapping",
-        dtypes=INDEX_DTYPES,
-        device=device,
-        shape=(key.shape[0],),
-        shape_desc="[num_tokens]",
+        slot_mapping, "slot_mapping", dtypes=INDEX_DTYPES, device=device, shape=(len(key),), shape_desc=_SLOTS
     )
-
     slots = slot_mapping.to(torch.int64)
     if validate:
         if check_slot_mapping(slot_mapping, num_blocks * block_size):  # -1 rows present: drop them
@@ -81,22 +70,18 @@ def reshape_and_cache(
     elif padding:  # no sync: a padding row becomes a copy of row 0 (same slot, same bytes)
         src = torch.where(slots >= 0, torch.arange(slots.shape[0], device=slots.device), 0)  # (T,)
         slots, key, value = slots[src], key[src], value[src]
-    if key_cache.is_contiguous() and value_cache.is_contiguous():  # one index_put per pool, no div/mod
-        key_cache.view(-1, num_kv_heads, head_size)[slots] = key
-        value_cache.view(-1, num_kv_heads, head_size)[slots] = value
-        return
-    # (block, offset) indexing works in place whatever the cache's strides are
-    blocks, offsets = slots // block_size, slots % block_size
-    key_cache[blocks, offsets] = key
-    value_cache[blocks, offsets] = value
+    contiguous = key_cache.is_contiguous() and value_cache.is_contiguous()
+    for cache, new in ((key_cache, key), (value_cache, value)):
+        if contiguous:  # one index_put per pool, no div/mod
+            cache.view(-1, num_kv_heads, head_size)[slots] = new
+        else:  # (block, offset) indexing works in place whatever the cache's strides are
+            cache[slots // block_size, slots % block_size] = new
 
 
 def check_slot_mapping(slot_mapping: torch.Tensor, num_slots: int, *, allow_padding: bool = True) -> bool:
-    """Check on the host: every entry in [0, num_slots) or -1 (if allow_padding), no slot twice.
-    Returns whether any -1 is present."""
+    """Host check: every entry in [0, num_slots) or -1 (allow_padding), no slot twice; True if any -1."""
     slots = slot_mapping.detach().to("cpu", torch.int64).numpy()
-    low = -1 if allow_padding else 0
-    bad = (slots < low) | (slots >= num_slots)
+    bad = (slots < (-1 if allow_padding else 0)) | (slots >= num_slots)
     if bad.any():
         i = int(bad.argmax())
         expected = "-1 (skip) or a slot" if allow_padding else "a slot"
@@ -111,8 +96,7 @@ def check_slot_mapping(slot_mapping: torch.Tensor, num_slots: int, *, allow_padd
 
 
 def check_memory(nbytes: int, num_blocks: int, device: torch.device) -> None:
-    """Refuse, before allocating, a pool larger than the device can hold: free GPU memory, or the host's
-    physical memory (unknown on hosts without os.sysconf: not checked)."""
+    """Refuse, before allocating, a pool over the free GPU memory or the host's physical memory (if known)."""
     if device.type == "cuda":
         room = torch.cuda.mem_get_info(device)[0]
     elif hasattr(os, "sysconf"):
@@ -204,27 +188,19 @@ class PagedKVCache:
         """Token slots per layer: num_blocks * block_size."""
         return self.num_blocks * self.block_size
 
-    def write(
-        self,
-        layer: int,
-        key: torch.Tensor,  # (num_tokens, num_kv_heads, head_size)
-        value: torch.Tensor,  # (num_tokens, num_kv_heads, head_size)
-        slot_mapping: torch.Tensor,  # (num_tokens,) int, -1 = skip
-    ) -> None:
-        """Write one layer's new K/V through the slot mapping (see `reshape_and_cache`)."""
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Write one layer's new K/V through the slot mapping (as `reshape_and_cache`: -1 skips a row)."""
         layer = as_index(layer, "layer", self.num_layers)
         reshape_and_cache(key, value, self.key_caches[layer], self.value_caches[layer], slot_mapping)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy block src -> dst in every layer's pools (copy-on-write); all read before any is written."""
         pairs = [self._check_pair(p) for p in pairs]
-        dsts = [d for _, d in pairs]
-        if len(set(dsts)) != len(dsts):
+        if len({d for _, d in pairs}) != len(pairs):
             raise InvalidArgumentError(f"a destination block appears more than once in {pairs}")
         if not pairs:
             return
-        src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=self.device)
-        dst = torch.tensor(dsts, dtype=torch.int64, device=self.device)
+        src, dst = torch.tensor(pairs, dtype=torch.int64, device=self.device).T
         for cache in self.key_caches + self.value_caches:
             cache[dst] = cache[src]  # the right side is gathered (a copy) before the write
 

@@ -1,6 +1,5 @@
 """A Llama-family decoder on the paged KV cache (notebook 06): one flat batch of tokens from many sequences,
-with `AttentionMetadata` saying where each token's K/V goes; weights from a Hugging Face directory or an
-in-memory `transformers` model, read by vllmini.models (a missing or damaged file is a CheckpointError)."""
+`AttentionMetadata` saying where each token's K/V goes; weights read by vllmini.models."""
 
 from __future__ import annotations
 
@@ -82,8 +81,7 @@ class LlamaConfig:
             scaling = dict(self.rope_scaling)
             old_name = scaling.pop("type", None)  # older configs' key for rope_type
             kind = one_of(scaling.setdefault("rope_type", old_name), "rope type", ROPE_KEYS)
-            missing = [key for key in ROPE_KEYS[kind] if key not in scaling]
-            if missing:
+            if missing := [key for key in ROPE_KEYS[kind] if key not in scaling]:
                 raise InvalidArgumentError(f"rope_scaling of type {kind!r} lacks {missing}")
             for key in ROPE_KEYS[kind]:
                 as_float(scaling[key], f"rope_scaling[{key!r}]")
@@ -99,8 +97,7 @@ class LlamaConfig:
         if not rope:  # the older style: the scaling dict sits on its own
             rope = dict(hf.as_dict(d.get("rope_scaling"), "rope_scaling"))
         one_of(rope.pop("partial_rotary_factor", 1.0), "partial_rotary_factor", (1.0,))
-        missing = [f.name for f in fields(cls) if f.default is MISSING and d.get(f.name) is None]
-        if missing:
+        if missing := [f.name for f in fields(cls) if f.default is MISSING and d.get(f.name) is None]:
             raise InvalidArgumentError(f"the config lacks {missing}")
         kwargs = {f.name: d[f.name] for f in fields(cls) if d.get(f.name) is not None}
         kwargs.update(rope_theta=theta, rope_scaling=rope or None)  # as read above, in either style
@@ -113,12 +110,11 @@ class LlamaConfig:
 
 
 class Rope(NamedTuple):
-    """The rotary tables of a forward: per token (T, 1, hd) with positions None (PyTorch), or per position
-    (max_position_embeddings, hd) with each token's position (the fused kernels of kernels/layer_ops.cu)."""
+    """The rotary tables of a forward: per token (PyTorch), or per position (kernels/layer_ops.cu)."""
 
     cos: torch.Tensor
     sin_signed: torch.Tensor
-    positions: torch.Tensor | None = None
+    positions: torch.Tensor | None = None  # None: tables (T, 1, hd); else (max_position_embeddings, hd)
 
 
 class RMSNorm(nn.Module):
@@ -126,8 +122,7 @@ class RMSNorm(nn.Module):
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, fused: bool = False):
         """(norm(x + residual), x + residual) as vLLM's fused_add_rms_norm; (norm(x), x) without `residual`.
@@ -142,8 +137,7 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
-    """Rotation frequency of each pair of head dims (head_dim // 2,). Llama-3 scaling stretches long
-    wavelengths by `factor`, keeps short ones, and blends in between."""
+    """Rotation frequency of each pair of head dims (head_dim // 2,), with linear or Llama-3 scaling."""
     dim = config.head_dim
     inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim)
     scaling = config.rope_scaling or {}  # {}: plain RoPE
@@ -153,15 +147,14 @@ def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
         factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
         old_len = scaling["original_max_position_embeddings"]
         wavelen = 2 * math.pi / inv_freq
-        # 0 for wavelengths longer than old_len / lo (fully scaled), 1 below old_len / hi (unscaled)
+        # 0 for wavelengths over old_len / lo (stretched), 1 below old_len / hi (kept), blended in between
         smooth = ((old_len / wavelen - lo) / (hi - lo)).clamp(0.0, 1.0)
         inv_freq = (1 - smooth) * inv_freq / factor + smooth * inv_freq
     return inv_freq.float()
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
-    """cos and signed sin (T, 1, hd) of each position, once per forward for every layer: the sin's first
-    half is negated so that `apply_rotary` needs no negation."""
+    """cos and signed sin (T, 1, hd) of each position (the sin's first half negated for `apply_rotary`)."""
     angles = positions.float()[:, None] * inv_freq[None, :]  # (T, hd/2), float32 as in Llama
     cos, sin = angles.cos(), angles.sin()
     return torch.cat((cos, cos), -1)[:, None].to(dtype), torch.cat((-sin, sin), -1)[:, None].to(dtype)
@@ -176,8 +169,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
 
 
 class MergedLinear(nn.Linear):
-    """Several projections of the same input as one GEMM (vLLM's MergedColumnParallelLinear): `parts`
-    maps each Hugging Face projection name to its output size, in the order their rows are stacked."""
+    """Projections of one input as one GEMM (vLLM's MergedColumnParallelLinear); `parts`: HF name -> rows."""
 
     def __init__(self, in_features: int, parts: dict[str, int], bias: bool):
         super().__init__(in_features, sum(parts.values()), bias=bias)
@@ -190,12 +182,11 @@ class Attention(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = config.head_dim
-        bias, h = config.attention_bias, config.hidden_size
+        self.head_dim, bias, h = config.head_dim, config.attention_bias, config.hidden_size
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         parts = {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}
         self.qkv_proj = MergedLinear(h, parts, bias)  # q, k and v in one GEMM
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
+        self.o_proj = nn.Linear(q_size, h, bias=bias)
 
     def forward(self, x, rope: Rope, key_cache, value_cache, meta: AttentionMetadata, backend: str, validate):
         T, nh, hd = x.shape[0], self.num_heads, self.head_dim
@@ -213,25 +204,21 @@ class Attention(nn.Module):
             reshape_and_cache(
                 k, v, key_cache, value_cache, meta.slot_mapping, validate=False, padding=meta.has_padding
             )
-        split, num_prefills = meta.num_prefill_tokens, meta.num_prefills  # prefill rows [0, split)
-        out = torch.empty_like(q) if num_prefills else None  # (T, nh, hd); decode-only: no buffer
-        if num_prefills:  # only the torch backend has a prefill path
+        n, split = meta.num_prefills, meta.num_prefill_tokens  # prefills: sequences [0, n), rows [0, split)
+        tables, lens, starts = meta.block_tables, meta.seq_lens, meta.query_start_loc
+        out = torch.empty_like(q) if n else None  # (T, nh, hd); decode-only: no buffer
+        if n:
+            prefill = "torch" if backend in ("cupy", "emulator") else backend  # only torch has a prefill path
             out[:split] = paged_prefill_attention(
-                q[:split],
-                key_cache,
-                value_cache,
-                meta.block_tables[:num_prefills],
-                meta.seq_lens[:num_prefills],
-                meta.query_start_loc[: num_prefills + 1],
-                backend="torch" if backend in ("cupy", "emulator") else backend,
+                q[:split], key_cache, value_cache, tables[:n], lens[:n], starts[: n + 1], backend=prefill
             )
         if meta.num_decodes:
             decoded = paged_attention(
                 q[split:],
                 key_cache,
                 value_cache,
-                meta.block_tables[num_prefills:],
-                meta.seq_lens[num_prefills:],
+                tables[n:],
+                lens[n:],
                 backend=backend,
                 validate=validate,  # "guard", or False: the model checked the tables (check_metadata)
                 max_seq_len=meta.max_decode_seq_len,  # known on the host: the kernels' splits
@@ -240,7 +227,7 @@ class Attention(nn.Module):
                 out = decoded
             else:
                 out[split:] = decoded
-        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(T, nh * hd))
 
 
 class MLP(nn.Module):
@@ -299,10 +286,8 @@ class LlamaModel(nn.Module):
         self.fits_layer_ops = h <= LAYER_OP_HIDDEN and h % 8 == 0 and config.head_dim <= LAYER_OP_THREADS
         self.tokenizer = None  # a tokenizers.Tokenizer when the checkpoint has tokenizer.json
         self.chat_template: str | None = None  # Jinja text, when the checkpoint has one
-        eos = config.eos_token_id
-        self.eos_token_ids: tuple[int, ...] = tuple(
-            eos if isinstance(eos, list) else [] if eos is None else [eos]
-        )
+        eos = config.eos_token_id  # an int, a list of ints, or None
+        self.eos_token_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
     @property
     def dtype(self) -> torch.dtype:
@@ -344,16 +329,14 @@ class LlamaModel(nn.Module):
         else:
             fused, rope = False, Rope(*rope_cos_sin(positions, self.inv_freq, x.dtype))
         residual = None
-        for i, layer in enumerate(self.layers):
-            kc, vc = kv_cache.key_caches[i], kv_cache.value_caches[i]
+        for layer, kc, vc in zip(self.layers, kv_cache.key_caches, kv_cache.value_caches, strict=True):
             x, residual = layer(x, residual, rope, kc, vc, meta, backend, validate)
         if not all_logits and x.shape[0] != meta.num_seqs:  # else one token a sequence: each is its last
             x, residual = x[meta.last_token_indices], residual[meta.last_token_indices]  # (num_seqs, hidden)
         return self.lm_head(self.norm(x, residual, fused)[0])
 
     def rope_tables(self, positions: torch.Tensor) -> Rope:
-        """cos and signed sin of every position (max_position_embeddings, hd), made once per device and
-        dtype by `rope_cos_sin` (the same numbers as the per-token path), with `positions` as int64."""
+        """Tables of every position by `rope_cos_sin`, once per device and dtype; `positions` as int64."""
         key = (positions.device, self.dtype)
         if key not in self._rope_tables:
             every = torch.arange(self.config.max_position_embeddings, device=positions.device)
@@ -363,8 +346,7 @@ class LlamaModel(nn.Module):
     def check_metadata(
         self, meta: AttentionMetadata, kv_cache, backend: str
     ) -> tuple[AttentionMetadata, str | bool]:
-        """Check the slots (and the tables, unless the in-kernel guard does) ONCE for all layers. Returns
-        `meta` (a checked copy unless already checked) and each layer's `validate`: "guard" or False."""
+        """Check slots (and tables unless the kernel guards) ONCE for all layers: (meta, "guard" or False)."""
         guarded = guarded_by_default(backend, self.device, self.dtype)
         if not meta.host_checked:
             meta = dataclasses.replace(meta)
@@ -389,8 +371,7 @@ class LlamaModel(nn.Module):
     def from_pretrained(
         cls, path_or_hf_model, dtype: torch.dtype | None = None, device: str | torch.device | None = None
     ) -> LlamaModel:
-        """From a checkpoint directory (config.json, safetensors, tokenizer.json) or an in-memory
-        transformers LlamaForCausalLM. dtype defaults to the stored weights'."""
+        """From a checkpoint directory or an in-memory transformers LlamaForCausalLM (dtype None: stored)."""
         if dtype is not None and dtype not in FLOAT_DTYPES:
             raise InvalidTypeError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype!r}")
         ckpt = hf.read_checkpoint(path_or_hf_model, LlamaConfig.from_dict)

@@ -19,7 +19,7 @@ from vllmini.block_manager import BlockManager
 from vllmini.checks import as_int, cdiv
 from vllmini.cuda_kernels import MIN_SPLIT_TOKENS, check_kernel_errors, kernel_error_buffer
 from vllmini.errors import InvalidArgumentError
-from vllmini.kv_cache import PagedKVCache
+from vllmini.kv_cache import PagedKVCache, check_slot_mapping
 from vllmini.model import LlamaModel
 from vllmini.sequence import SchedulerOutput
 
@@ -37,7 +37,8 @@ def prepare_inputs(
     pos += [n - 1 for n in seq_lens[len(out.prefills) :]]
     block_tables, _ = block_manager.build_block_tables([s.seq_id for s in out.seqs])
     # static reservations hold more blocks than the tokens fill: read only the blocks in use
-    block_tables = block_tables[:, : cdiv(max(seq_lens, default=1), block_manager.block_size)]
+    longest = max(seq_lens, default=1) + out.num_steps - 1  # multi-step: the last step's length
+    block_tables = block_tables[:, : cdiv(longest, block_manager.block_size)]
     meta = AttentionMetadata.build(
         query_lens, block_tables, seq_lens, out.slot_mapping, len(out.prefills), device=device
     )
@@ -136,6 +137,46 @@ class ModelRunner:
         if self.device.type == "cuda":  # the in-kernel guard's record (one small copy)
             check_kernel_errors(self.device)
         return logits
+
+    @torch.inference_mode()
+    def execute_steps(self, out: SchedulerOutput, block_manager: BlockManager) -> tuple[list, list]:
+        """Multi-step: out.num_steps greedy forwards of a decode-only batch, each step's argmax fed to the
+        next on the device (one host sync at the end). Returns (tokens, bad): per step, each decode's argmax
+        and whether its logits row was not finite (`sample_batch`'s greedy rule)."""
+        input_ids, positions, meta = self.prepare_inputs(out, block_manager)  # on the CPU
+        meta, _ = self.model.check_metadata(meta, self.kv_cache, self.backend)
+        later = torch.tensor(out.step_slots, dtype=torch.int32).view(-1, len(out.decodes))  # (steps 2.., S)
+        check_slot_mapping(torch.cat([meta.slot_mapping.int(), later.view(-1)]), self.kv_cache.num_slots)
+        rows, n, w, graphs = len(out.decodes), out.num_steps, meta.block_tables.shape[1], self.graphs
+        if graphs is not None and graphs.size_for(rows) is not None:
+            b, w = graphs.size_for(rows), graphs.width_for(w)
+            buffer, forward = graphs.buffer, graphs.replayer(b, w)
+        else:  # eager (the CPU too): the forward a graph records
+            b = rows
+            buffer = torch.empty((NUM_FIELDS + w) * b, dtype=torch.int32, device=self.device)
+            forward = lambda: padded_decode_forward(self.model, self.kv_cache, self.backend, buffer, b, w)  # noqa: E731
+        pin = self.device.type == "cuda"
+        host = pack_inputs(input_ids, positions, meta, b, w, pin=pin)
+        # the later steps' positions, slots and lengths (the buffer's fields 1-3, padding rows unchanged);
+        # a row past its max_tokens (slot -1) stays at its last position, writing nothing
+        ahead = host[b : NUM_FIELDS * b].view(1, NUM_FIELDS - 1, b).repeat(n - 1, 1, 1)
+        grown = (later >= 0).int().cumsum(0)  # (steps 2.., S): tokens each row has grown by
+        ahead[:, 0, :rows] += grown
+        ahead[:, 1, :rows] = later
+        ahead[:, 2, :rows] += grown
+        buffer[: host.shape[0]].copy_(host, non_blocking=pin)
+        ahead = ahead.pin_memory().to(self.device, non_blocking=True) if pin else ahead.to(self.device)
+        found = torch.empty(n, 2, rows, dtype=torch.int64, device=self.device)  # (step, argmax | bad, row)
+        for j in range(n):
+            top, found[j, 0] = forward()[:rows].max(-1)
+            found[j, 1] = (top < float("inf")).logical_not()
+            if j + 1 < n:  # the next step's input: this step's argmax; then positions, slots, lengths
+                buffer[:rows].copy_(found[j, 0])
+                buffer[b : NUM_FIELDS * b].copy_(ahead[j].view(-1))
+        if self.device.type == "cuda":
+            check_kernel_errors(self.device)
+        tokens, bad = found.transpose(0, 1).tolist()  # one sync
+        return tokens, bad
 
 
 NUM_FIELDS = 4  # input_ids, positions, slot_mapping, seq_lens; then the block tables
@@ -246,6 +287,11 @@ class DecodeGraphs:
                 self.logits[b, w] = self._forward(b, w)
             self.graphs[b, w] = graph
         torch.cuda.synchronize(self.device)
+
+    def replayer(self, b: int, w: int):
+        """A function that replays the (b, w) graph and returns its logits (b, vocab) (multi-step)."""
+        graph, logits = self.graphs[b, w], self.logits[b, w]
+        return lambda: (graph.replay(), logits)[1]
 
     def width_for(self, width: int) -> int:
         """The narrowest captured table width that holds `width` blocks."""

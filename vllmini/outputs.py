@@ -21,31 +21,29 @@ class Logprob:
 
 @dataclass
 class CompletionOutput:
-    """One of a request's n samples. logprobs: per token, {token id: Logprob} of the token drawn and the
-    top alternatives; stop_reason: the stop token id or string that ended it (None for EOS)."""
+    """One of a request's n samples."""
 
     index: int
     token_ids: list[int]
     text: str | None
     finish_reason: str | None
     error: str | None = None
-    logprobs: list[dict[int, Logprob]] | None = None
-    stop_reason: int | str | None = None
+    logprobs: list[dict[int, Logprob]] | None = None  # per token: {token id: Logprob}, it and the top ones
+    stop_reason: int | str | None = None  # the stop token id or string that ended it (None for EOS)
 
 
 @dataclass
 class RequestOutput:
-    """`outputs`: all n samples (the flat fields are the first's); finish_reason "length", "stop", "abort"
-    or "error" (see `error`); finished is False while a streaming request runs."""
+    """A request's output: `outputs` holds all n samples (the flat fields are the first's)."""
 
     request_id: int
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     text: str | None
-    finish_reason: str | None
+    finish_reason: str | None  # "length", "stop", "abort" or "error" (see `error`)
     error: str | None = None
     outputs: list[CompletionOutput] = field(default_factory=list)
-    finished: bool = True
+    finished: bool = True  # False while a streaming request runs
     logprobs: list[dict[int, Logprob]] | None = None
 
 
@@ -123,8 +121,7 @@ class InputProcessor:
         self.tokenizer, self.vocab_size, self.chat_template = tokenizer, vocab_size, chat_template
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text of a chat ([{"role": ..., "content": ...}, ...]) in the model's own format,
-        ending with the assistant's turn opened (add_generation_prompt), as transformers renders it."""
+        """The prompt text of a chat ([{"role": ..., "content": ...}, ...]) as transformers renders it."""
         if self.chat_template is None:
             raise InvalidArgumentError(
                 "this checkpoint has no chat template (chat_template.jinja or tokenizer_config.json's "
@@ -188,8 +185,7 @@ class InputProcessor:
     def token_ids(self, ids, name: str) -> list[int]:
         """`ids` as a list of token ids of this model's vocabulary; `name` says whose they are."""
         ids = as_token_ids(ids, name)
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
+        if bad := [t for t in ids if not 0 <= t < self.vocab_size]:
             raise InvalidArgumentError(f"{name} must be token ids in [0, {self.vocab_size}), got {bad[:5]}")
         return ids
 
@@ -259,14 +255,7 @@ class OutputProcessor:
         finished = all(s.status is SequenceStatus.FINISHED for s in seq.group)
         outputs = [self.completion(s) for s in sorted(seq.group, key=lambda s: s.index)]
         first = outputs[0]
+        flat = (first.token_ids, first.text, first.finish_reason, first.error)
         return RequestOutput(
-            seq.request_id,
-            list(seq.prompt_token_ids),
-            first.token_ids,
-            first.text,
-            first.finish_reason,
-            first.error,
-            outputs,
-            finished,
-            first.logprobs,
+            seq.request_id, list(seq.prompt_token_ids), *flat, outputs, finished, first.logprobs
         )

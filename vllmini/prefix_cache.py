@@ -1,10 +1,8 @@
 """Prefix caching (notebook 08): full KV blocks found again by what they hold, so alike requests share them.
-
 A block's K/V depends on every token before it, so a block is named by a hash chain: hash(block i) =
 SHA-256(hash(block i-1), its token ids), truncated to 16 bytes. A hit is checked against the stored parent
 hash and token ids. A cached block whose last owner leaves waits, still findable, in an LRU list
-(`evictable`) until its memory is needed (vLLM v1: `vllm/v1/core/block_pool.py`).
-"""
+(`evictable`) until its memory is needed (vLLM v1: `vllm/v1/core/block_pool.py`)."""
 
 from __future__ import annotations
 
@@ -48,8 +46,7 @@ class PrefixCache:
         return block_id in self._entry
 
     def hash_of(self, block_id: int) -> bytes | None:
-        entry = self._entry.get(block_id)
-        return entry[0] if entry else None
+        return self._entry[block_id][0] if block_id in self._entry else None
 
     def lookup(self, hashes: list[bytes], token_ids: list[int]) -> list[int]:
         """The blocks of the longest cached prefix of a sequence whose chain is `hashes`."""
@@ -91,8 +88,7 @@ class PrefixCache:
 
     def uncache(self, block_id: int) -> None:
         """Drop a block's hash entry (it stays allocated if someone holds it)."""
-        h = self._entry.pop(block_id)[0]
-        del self._block_of[h]
+        del self._block_of[self._entry.pop(block_id)[0]]
         self.evictable.pop(block_id, None)
 
     def snapshot(self) -> tuple:

@@ -81,8 +81,7 @@ def sample_batch(
     # a row holding NaN or +inf has no distribution: its entries fail (-inf only masks a token)
     top, best = logits.max(-1)  # (S,) each: a row's largest logit (NaN or +inf if any is) and its argmax
     best, bad = torch.stack([best, (top < float("inf")).logical_not().long()]).tolist()  # (2, S): one sync
-    error = "logits row {} holds NaN or +inf (not finite)"  # else the row's argmax, which greedy entries keep
-    tokens: list = [InvalidArgumentError(error.format(r)) if bad[r] else best[r] for r in rows]  # int | error
+    tokens: list = [not_finite(r) if bad[r] else best[r] for r in rows]  # else the argmax greedy entries keep
     sampled = [j for j, p in enumerate(params) if not p.is_greedy and not bad[rows[j]]]
     if not sampled:
         return tokens
@@ -120,6 +119,11 @@ def sample_batch(
                 InvalidArgumentError(f"logits row {rows[j]} has no finite logit to sample") if empty else t
             )
     return tokens
+
+
+def not_finite(row: int) -> InvalidArgumentError:
+    """The error of an entry whose logits row holds NaN or +inf: it has no distribution, and no argmax."""
+    return InvalidArgumentError(f"logits row {row} holds NaN or +inf (not finite)")
 
 
 def _draw(noise: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:

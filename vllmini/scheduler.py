@@ -223,6 +223,21 @@ class Scheduler:
             self.waiting.appendleft(seq)
         return slots
 
+    def plan_steps(self, out: SchedulerOutput, num_steps: int) -> None:
+        """Multi-step: let the decode-only batch `out` run `num_steps` forwards on this one schedule, each
+        decode taking now the slots of its tokens up to its max_tokens (a step past them gets slot -1: its
+        row is computed and dropped, writing nothing); left at one step when the blocks are not free."""
+        bm = self.block_manager
+        more = {s: min(num_steps, s.max_tokens - len(s.output_token_ids)) - 1 for s in out.decodes}
+        if self.policy == "paged":
+            if sum(bm.block_table(s.seq_id).num_new_blocks(m) for s, m in more.items()) > bm.num_free_blocks:
+                return
+            rows = [bm.append(s.seq_id, m) if m else [] for s, m in more.items()]
+        else:  # reserved at admission
+            rows = [bm.slot_mapping(s.seq_id, s.num_tokens, s.num_tokens + m) for s, m in more.items()]
+        out.num_steps = num_steps
+        out.step_slots = [[row[j] if j < len(row) else -1 for row in rows] for j in range(num_steps - 1)]
+
     def _preempt_group(self, victim: Sequence, queue: deque, out: SchedulerOutput) -> None:
         """Preempt `victim` and its running siblings, whether still queued or already in out.decodes."""
         for seq in victim.group:

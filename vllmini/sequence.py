@@ -134,6 +134,8 @@ class SchedulerOutput:
     num_hit_blocks: int = 0
     num_prefill_tokens: int = 0  # prompt tokens computed in this step (not found cached or shared)
     chunk_ends: dict = field(default_factory=dict)  # chunked prefill: seq_id -> end of its chunk
+    num_steps: int = 1  # multi-step: forwards of this decode-only batch (Scheduler.plan_steps)
+    step_slots: list = field(default_factory=list)  # ... and the slots of steps 2.. (a list per step)
     # the counts StepStats copies, under the same names
     COUNTS = "num_prefill_tokens num_lookup_tokens num_hit_tokens num_lookup_blocks num_hit_blocks".split()
 
