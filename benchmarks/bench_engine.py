@@ -532,16 +532,21 @@ def launch_count(model, batch: int = 1, context: int = 255) -> tuple[int, str]:
     return sum(e.device_type.name == "CUDA" for e in prof.events()), "CUDA kernels (torch.profiler)"
 
 
-def host_step_ms(batch: int = 256, steps: int = 30, sampled: bool = False) -> tuple[float, dict]:
+def host_step_ms(
+    batch: int = 256, steps: int = 30, sampled: bool = False, multi: int = 1
+) -> tuple[float, dict]:
     """Median wall time (ms) of an engine decode step of `batch` sequences with the forward stubbed out
     (fixed random logits over the tiny model's vocabulary): the host part of a step, scheduling, inputs,
-    sampling and commit; and where it goes, {phase: mean ms per step} (each phase's calls timed)."""
+    sampling and commit; and where it goes, {phase: mean ms per step} (each phase's calls timed). multi:
+    num_scheduler_steps (a step: a call's time over its forwards; the stub still runs once a forward)."""
     model = random_model(TINY, 4096, torch.float32, "cpu")
     logits = torch.randn(batch, TINY["vocab_size"], generator=torch.Generator().manual_seed(0))
     model.forward = lambda input_ids, positions, kv, meta, **kw: logits[: meta.num_seqs]
-    engine = LLMEngine(model, block_size=16, num_blocks=batch * 8 + 8, max_model_len=512, max_num_seqs=batch)
-    params = SamplingParams(max_tokens=steps + 2, ignore_eos=True, temperature=0.8 if sampled else 0.0,
-                            top_p=0.9 if sampled else 1.0, seed=0 if sampled else None)  # fmt: skip
+    new = steps * multi + 2  # tokens each sequence generates (16-token prompts): a pool that holds them all
+    engine = LLMEngine(model, block_size=16, num_blocks=batch * -(-(16 + new) // 16) + 8, max_model_len=512,
+                       max_num_seqs=batch, num_scheduler_steps=multi)  # fmt: skip
+    params = SamplingParams(max_tokens=new, ignore_eos=True, seed=0 if sampled else None,
+                            temperature=0.8 if sampled else 0.0, top_p=0.9 if sampled else 1.0)  # fmt: skip
     for i in range(batch):
         engine.add_request([3 + i % 200] * 16, params)
     engine.step()  # the prefills
@@ -556,15 +561,17 @@ def host_step_ms(batch: int = 256, steps: int = 30, sampled: bool = False) -> tu
         ("commit", engine, "_commit"),
     ):
         setattr(obj, name, _timed(getattr(obj, name), phase, spent))  # on this instance only
-    times = []
+    times, forwards, wall = [], engine.num_forwards, 0.0
     for _ in range(steps):
-        t = time.perf_counter()
+        t, n = time.perf_counter(), engine.num_forwards
         engine.step()
-        times.append(time.perf_counter() - t)
+        wall += time.perf_counter() - t
+        times.append((time.perf_counter() - t) / (engine.num_forwards - n))
+    steps = engine.num_forwards - forwards  # forwards, the unit of every figure returned
     phases = {k: v / steps * 1e3 for k, v in spent.items()}
     phases["sampling"] = phases.pop("forward+sampling") - phases["inputs"] - phases["checks"]  # forward: stub
-    phases["other"] = sum(times) / steps * 1e3 - sum(phases.values())
-    return sorted(times)[steps // 2] * 1e3, phases
+    phases["other"] = wall / steps * 1e3 - sum(phases.values())
+    return sorted(times)[len(times) // 2] * 1e3, phases
 
 
 def _timed(fn, phase: str, spent: dict):
@@ -774,9 +781,10 @@ def main() -> None:
     )
 
     if args.host_only:
-        for sampled in (False, True):
-            ms, phases = host_step_ms(args.batch_sizes[-1], sampled=sampled)
+        for sampled, multi in ((False, 1), (True, 1), (False, args.scheduler_steps)):
+            ms, phases = host_step_ms(args.batch_sizes[-1], sampled=sampled, multi=multi)
             kind = "T 0.8, top_p 0.9, seeded" if sampled else "greedy"
+            kind += f", num_scheduler_steps={multi}" if multi > 1 else ""
             where = ", ".join(f"{k} {v:.2f}" for k, v in sorted(phases.items(), key=lambda kv: -kv[1]))
             print(
                 f"host ms per decode step, batch {args.batch_sizes[-1]}, stubbed forward, {kind}: {ms:.2f} ms"

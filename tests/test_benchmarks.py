@@ -25,7 +25,7 @@ def run(script: str, *args: str) -> str:
 
 def test_bench_engine_host_only_prints_each_phase():
     out = run("bench_engine.py", "--host-only", "--batch-sizes", "4")
-    for kind in ("greedy", "seeded"):
+    for kind in ("greedy:", "seeded", "greedy, num_scheduler_steps=8"):
         (line,) = [line for line in out.splitlines() if "host ms per decode step" in line and kind in line]
         phases = line.split("mean per step: ")[1]
         for phase in ("schedule", "inputs", "checks", "sampling", "commit", "snapshot", "other"):

@@ -304,9 +304,11 @@ class LLMEngine:
 
     def _num_steps(self, out: SchedulerOutput) -> int:
         """Forwards `out` may run on one schedule: num_scheduler_steps for a decode-only batch of greedy
-        requests without logprobs while none waits (at most the tokens the longest may still take), else 1."""
-        most = self.config.num_scheduler_steps
-        if most == 1 or out.prefills or out.preempted or not out.decodes or self.scheduler.waiting:
+        requests without logprobs while none waits or is mid-prefill (at most the tokens the longest may
+        still take), else 1."""
+        sched, most = self.scheduler, self.config.num_scheduler_steps
+        busy = out.prefills or out.preempted or sched.waiting or len(out.decodes) < len(sched.running)
+        if most == 1 or busy or not out.decodes:
             return 1
         params = [s.sampling_params for s in out.decodes]
         if any(not p.is_greedy or p.logprobs is not None for p in params):
