@@ -224,6 +224,21 @@ def test_multi_step_gives_the_single_steps_tokens(model, prompts, reference, pol
     )
 
 
+def test_multi_step_with_prefix_caching_and_chunked_prefill(model, prompts, steps_run):
+    """Blocks filled during a multi-step are cached by their hashes (a second wave on the same prompts hits
+    them), chunked prompts keep single steps until their prefill is done: the tokens of one step per
+    schedule, the same cache hits."""
+    runs = {}
+    for steps in (1, 4):
+        engine = LLMEngine(model, block_size=4, num_blocks=160, num_scheduler_steps=steps,
+                           enable_prefix_caching=True, max_num_batched_tokens=8)  # fmt: skip
+        first = [o.output_token_ids for o in engine.generate(prompts, GREEDY, use_tqdm=False)]
+        again = [p + t[:6] for p, t in zip(prompts, first, strict=True)]  # prompt + part of its output
+        second = [o.output_token_ids for o in engine.generate(again, GREEDY, use_tqdm=False)]
+        runs[steps] = first, second, sum(s.num_hit_tokens for s in engine.stats)
+    assert runs[4] == runs[1] and runs[1][2] > 0 and 4 in steps_run
+
+
 def test_multi_step_only_runs_greedy_batches_with_nothing_waiting(model, prompts, steps_run):
     engine = LLMEngine(model, block_size=4, num_blocks=160, num_scheduler_steps=4)
     engine.generate(
