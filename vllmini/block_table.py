@@ -79,7 +79,10 @@ class BlockTable:
         """Would writing `num_tokens` more tokens land in a shared, partly filled last block?"""
         if num_tokens == 0 or self._num_tokens % self.block_size == 0:
             return False  # nothing to write, or the last block is full (new tokens go to a new block)
-        return self.allocator.ref_count(self._block_ids[-1]) > 1
+        return not self._owns_last_block()
+
+    def _owns_last_block(self) -> bool:
+        return self.allocator.ref_count(self._block_ids[-1]) == 1
 
     def num_new_blocks(self, num_tokens: int) -> int:
         """How many blocks `append_tokens(num_tokens)` would allocate (copy-on-write included)."""
@@ -89,7 +92,11 @@ class BlockTable:
 
     def append_tokens(self, num_tokens: int = 1) -> list[int]:
         """Make room for `num_tokens` more tokens and return their slots. All-or-nothing."""
-        needed, start, bs = self.num_new_blocks(num_tokens), self._num_tokens, self.block_size
+        start, bs = self._num_tokens, self.block_size
+        if type(num_tokens) is int and num_tokens == 1 and start % bs and self._owns_last_block():
+            self._num_tokens += 1  # a decode's usual case: the next slot of its own, partly filled last block
+            return [self._block_ids[-1] * bs + start % bs]
+        needed = self.num_new_blocks(num_tokens)
         if needed and needed > (free := self.allocator.num_free_blocks):  # (most decodes need none)
             raise OutOfBlocksError(
                 f"appending {num_tokens} tokens needs {needed} new blocks, but only {free} are free"
