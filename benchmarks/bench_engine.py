@@ -415,18 +415,12 @@ def decode_table(
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             while engine.has_unfinished_requests():
-                t, forwards = time.perf_counter(), engine.num_forwards
-                engine.step()
-                step_times.append(
-                    ((time.perf_counter() - t) / (engine.num_forwards - forwards), engine.stats[-1])
-                )
+                step_times.append((timed_step(engine)[1], engine.stats[-1]))
             seconds = time.perf_counter() - t0
             decode = sorted(t for t, st in step_times if st.num_prefills == 0 and st.num_decodes == batch)
             row[f"{key}_tok_s"] = sum(st.num_generated for st in engine.stats[first:]) / seconds
             row[f"{key}_step_ms"] = decode[len(decode) // 2] * 1e3
-            if (
-                key == "graph"
-            ):  # the forward alone: the graph of this batch replayed on a full batch at the last length
+            if key == "graph":  # the forward alone: this batch's graph replayed on a full batch, last length
                 context = prompt_len + new - 1
                 row["gpu_ms"] = replay_ms(engine, *full_decode_batch(engine, batch, context), repeats=50)
                 row["read_ms"] = (weight_bytes + batch * context * kv_per_token) / bw * 1e3
@@ -454,19 +448,25 @@ def decode_table(
         + f" | {multi}-step tok/s | {multi}-step step ms | {multi}-step/generate | {multi}-step/read once"
     )
     for r in rows:
-        ratio = f"{r['graph_tok_s'] / r['hf_tok_s']:.1f}x" if r["hf_tok_s"] else "-"
+        ratio, multi_ratio = (
+            f"{r[k] / r['hf_tok_s']:.1f}x" if r["hf_tok_s"] else "-" for k in ("graph_tok_s", "multi_tok_s")
+        )
         hf_s = f"{r['hf_tok_s']:.0f}" if r["hf_tok_s"] else "-"
         print(
             f"{r['batch']} | {hf_s} | {r['eager_tok_s']:.0f} | {r['graph_tok_s']:.0f} | {ratio} | "
             f"{r['eager_step_ms']:.2f} | {r['graph_step_ms']:.2f} | {r['gpu_ms']:.2f} | {r['read_ms']:.2f} | "
             f"{r['eager_host_ms']:.2f} | {r['graph_host_ms']:.2f} | {r['multi_tok_s']:.0f} | "
-            f"{r['multi_step_ms']:.2f} | {multi_ratio(r)} | {r['multi_step_ms'] / r['read_ms']:.2f}x"
+            f"{r['multi_step_ms']:.2f} | {multi_ratio} | {r['multi_step_ms'] / r['read_ms']:.2f}x"
         )
     return rows
 
 
-def multi_ratio(r: dict) -> str:
-    return f"{r['multi_tok_s'] / r['hf_tok_s']:.1f}x" if r["hf_tok_s"] else "-"
+def timed_step(engine) -> tuple[float, float]:
+    """One engine.step(): (its wall seconds, seconds per forward it ran: several with multi-step)."""
+    t, forwards = time.perf_counter(), engine.num_forwards
+    engine.step()
+    seconds = time.perf_counter() - t
+    return seconds, seconds / (engine.num_forwards - forwards)
 
 
 def profile_decode(model, batch: int, context: int = 255) -> None:
@@ -561,17 +561,14 @@ def host_step_ms(
         ("commit", engine, "_commit"),
     ):
         setattr(obj, name, _timed(getattr(obj, name), phase, spent))  # on this instance only
-    times, forwards, wall = [], engine.num_forwards, 0.0
-    for _ in range(steps):
-        t, n = time.perf_counter(), engine.num_forwards
-        engine.step()
-        wall += time.perf_counter() - t
-        times.append((time.perf_counter() - t) / (engine.num_forwards - n))
+    forwards = engine.num_forwards
+    calls = [timed_step(engine) for _ in range(steps)]  # (wall seconds, seconds per forward)
+    times, wall = sorted(per for _, per in calls), sum(seconds for seconds, _ in calls)
     steps = engine.num_forwards - forwards  # forwards, the unit of every figure returned
     phases = {k: v / steps * 1e3 for k, v in spent.items()}
     phases["sampling"] = phases.pop("forward+sampling") - phases["inputs"] - phases["checks"]  # forward: stub
     phases["other"] = wall / steps * 1e3 - sum(phases.values())
-    return sorted(times)[len(times) // 2] * 1e3, phases
+    return times[len(times) // 2] * 1e3, phases
 
 
 def _timed(fn, phase: str, spent: dict):
