@@ -5,19 +5,19 @@ about twice the size needed through random non-identity block tables (unused pag
 Every row's output is checked against a float64 reference first (the run aborts on a mismatch), then
 timed. Rows (GPU): "sdpa (contiguous)" = `scaled_dot_product_attention` on the contiguous copy (torch's
 default dispatch, enable_gqa for GQA); "torch gather" = `paged_attention(backend="torch")`; "vN kernel" =
-kernel version N alone (`cuda_kernels.paged_attention_kernel` on validated inputs; versions 8-9 with
-their in-kernel guard on, as the public call runs them; version 7 is version 8 without it);
-"v8 identity table" = version 8 over an identity block table (paging's cost; not re-validated);
+kernel version N alone (`cuda_kernels.paged_attention_kernel` on validated inputs; versions 9-10 with
+their in-kernel guard on, as the public call runs them; version 8 is version 9 without it);
+"v9 identity table" = version 9 over an identity block table (paging's cost; not re-validated);
 "(graph)" rows (--graphs) = the call captured once in a torch.cuda.CUDAGraph and replayed (no host time);
-"public call" = `paged_attention(..., backend="cupy")` with default arguments; "public v4 + host check"
-= kernel 4 behind the host's table check (validate=True: one host sync). "read ceiling" = the plain
+"public call" = `paged_attention(..., backend="cupy")` with default arguments; "public v5 + host check"
+= kernel 5 behind the host's table check (validate=True: one host sync). "read ceiling" = the plain
 read kernel (kernels/read_ceiling.cu, benchmarks/cuda_timing.py) over as many bytes as the shape's K and V.
 
     python benchmarks/bench_attention.py                      # small CPU grid, < 1 minute
     python benchmarks/bench_attention.py --device cuda --preset h200 --csv h200.csv --plot h200.png
     python benchmarks/bench_attention.py --batch 1 4 --context 16 40 --emulator   # the CPU emulator
 
---block-sizes 8 16 32 64 128 adds kernel 8 at other block sizes on the first shape (same data, re-paged).
+--block-sizes 8 16 32 64 128 adds kernel 9 at other block sizes on the first shape (same data, re-paged).
 --json writes the rows for notebook 07 (benchmarks/h200_attention.json is the recorded run).
 
 Bandwidth = bytes of K+V of the valid tokens / time. "vs sdpa" and "vs torch" are time ratios
@@ -69,8 +69,12 @@ def parse_args(argv=None):
     p.add_argument("--preset", choices=["h200"], help="shapes (a)-(f), D=128, bs=16, fp16+fp32")
     p.add_argument("--versions", type=int, nargs="*", help="kernel versions to time (default: all present)")
     p.add_argument("--block-sizes", type=int, nargs="*", default=[], help="extra block sizes, best kernel")
-    p.add_argument("--graphs", action="store_true", help="also time v8 and the public call as CUDA graphs")
-    p.add_argument("--variants", nargs="*", default=[], help=".cu files timed as variants of version 8")
+    p.add_argument(
+        "--graphs",
+        action="store_true",
+        help="also time the guarded kernel and the public call as CUDA graphs",
+    )
+    p.add_argument("--variants", nargs="*", default=[], help=".cu files timed as variants of version 9")
     p.add_argument("--json", help="write the rows and the run's facts to this JSON file")
     p.add_argument("--repeats", type=int, help="timed calls per backend (default 30 on GPU, 7 on CPU)")
     p.add_argument("--quick", action="store_true", help="fewer shapes and repeats: a smoke test")
@@ -221,12 +225,12 @@ def calls_for(args, shape, data, scale, q4, kc, vc) -> dict:
             if v is None or dtype not in v.dtypes:
                 continue
             calls[f"v{n} kernel"] = kernel_call(a, n, v.guard)
-        for path in args.variants:  # other texts of version 8's file, same launch (tuning experiments)
+        for path in args.variants:  # other texts of version 9's file, same launch (tuning experiments)
             calls[f"v{G} variant {Path(path).stem}"] = kernel_call(a, G, True, source=Path(path).read_text())
         calls["public call"] = lambda: vllmini.paged_attention(*data["paged"], scale, backend="cupy")
-        if 4 in present:
-            calls["public v4 + host check"] = lambda: vllmini.paged_attention(
-                *data["paged"], scale, backend="cupy", kernel_version=4, validate=True
+        if (h := IDEAS["half_warps"]) in present:
+            calls[f"public v{h} + host check"] = lambda: vllmini.paged_attention(
+                *data["paged"], scale, backend="cupy", kernel_version=h, validate=True
             )
     elif args.emulator and batch * heads * context <= args.emulator_max_work:
         calls["emulator"] = lambda: vllmini.paged_attention(*data["paged"], scale, backend="emulator")

@@ -13,10 +13,10 @@ L2 flushed (256 MB written) before every call.
 
 --compare OLD.cu also times another text of the same version's file on the same data, in the same run
 (the fair way to compare variants: timings move by 10-20% between runs on the same GPU), e.g.
-    git show HEAD~3:kernels/paged_attention_8_guard.cu > /tmp/old.cu
-    python benchmarks/bench_kernel.py --dtype float16 --version 8 --compare /tmp/old.cu
+    git show HEAD~3:kernels/paged_attention_9_guard.cu > /tmp/old.cu
+    python benchmarks/bench_kernel.py --dtype float16 --version 9 --compare /tmp/old.cu
 --splits N ... also times the raw kernel with the context cut into N pieces (its output checked first),
-to try the split rule (cuda_kernels.SPLIT_TARGET_BLOCKS_PER_SM), e.g. --version 8 --splits 1 4 8 16 33.
+to try the split rule (cuda_kernels.SPLIT_TARGET_BLOCKS_PER_SM), e.g. --version 9 --splits 1 4 8 16 33.
 bench_attention.py times every version side by side.
 """
 

@@ -1,13 +1,13 @@
-"""Kernel 9 (GQA on tensor cores) against version 8 and cuDNN, side by side in one run.
+"""Kernel 10 (GQA on tensor cores) against version 9 and cuDNN, side by side in one run.
 
     python benchmarks/bench_tensor_cores.py                      # the GQA shapes of issue 24, fp16 and bf16
     python benchmarks/bench_tensor_cores.py --small --repeats 3  # a short run (e.g. under compute-sanitizer)
     python benchmarks/bench_tensor_cores.py --shapes 64x255x32x8 1x255x32x8 --splits 1,2,4,8  # short contexts
 
 Every output is checked against float64 first. Times: CUDA events, L2 flushed before each call, median of
---repeats calls. Rows: version 9 at several context splits, version 8 (its own launch plan, guard on), and
+--repeats calls. Rows: version 10 at several context splits, version 9 (its own launch plan, guard on), and
 cuDNN SDPA on a contiguous cache (the same K/V, no page table). TB/s counts the K and V bytes read once.
-Version 9 is launched here directly from its source (block 128, grid (num_seqs, num_heads / group,
+Version 10 is launched here directly from its source (block 128, grid (num_seqs, num_heads / group,
 splits)), so it runs before the package's launcher knows it.
 """
 
@@ -30,12 +30,12 @@ from cuda_timing import median_us, read_ceiling_us  # noqa: E402
 from vllmini import cuda_kernels  # noqa: E402
 from vllmini.cuda_kernels import kernel_error_buffer  # noqa: E402
 
-V9 = "paged_attention_9_tensor_cores"
+TC = cuda_kernels.kernel_versions()[cuda_kernels.TENSOR_CORES].file  # paged_attention_10_tensor_cores
 SUFFIX = {torch.float16: "_f16", torch.bfloat16: "_bf16"}
 _modules: dict = {}
 
 
-def v9_kernel(source: str, function: str, options: tuple[str, ...]):
+def tc_kernel(source: str, function: str, options: tuple[str, ...]):
     import cupy
 
     key = (hash(source), options)
@@ -44,8 +44,8 @@ def v9_kernel(source: str, function: str, options: tuple[str, ...]):
     return _modules[key].get_function(function)
 
 
-def v9_call(source: str, paged, scale: float, num_splits: int, error: torch.Tensor | None):
-    """A zero-argument callable launching version 9 (and its merge) on one dataset; returns the output."""
+def tensor_core_call(source: str, paged, scale: float, num_splits: int, error: torch.Tensor | None):
+    """A zero-argument callable launching version 10 (and its merge) on one dataset; returns the output."""
     query, key_cache, value_cache, block_tables, seq_lens = paged
     num_seqs, num_heads, head_size = query.shape
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape
@@ -57,8 +57,8 @@ def v9_call(source: str, paged, scale: float, num_splits: int, error: torch.Tens
     rows16 = hpb > 8
     options = (f"-DVLLMINI_ONLY_HEAD={head_size}", f"-DVLLMINI_ONLY_ROWS16={int(rows16)}")
     suffix = SUFFIX[query.dtype]
-    kernel = v9_kernel(source, V9 + suffix, options)
-    merge = v9_kernel(source, f"{V9}_merge{suffix}", options)
+    kernel = tc_kernel(source, TC + suffix, options)
+    merge = tc_kernel(source, f"{TC}_merge{suffix}", options)
     shared = 4 * (16 if rows16 else 8) * (head_size + 2) * 4
     out = torch.empty_like(query)
     part_out = part_ml = None
@@ -81,12 +81,14 @@ def v9_call(source: str, paged, scale: float, num_splits: int, error: torch.Tens
     return fn
 
 
-def v8_call(paged, scale: float):
+def guard_call(paged, scale: float):
     error = kernel_error_buffer(paged[0].device)
 
     def fn():
         out = torch.empty_like(paged[0])
-        return cuda_kernels.paged_attention_kernel(*paged, scale, out, "cupy", version=8, error=error)
+        return cuda_kernels.paged_attention_kernel(
+            *paged, scale, out, "cupy", version=cuda_kernels.IDEAS["guard"], error=error
+        )
 
     return fn
 
@@ -100,9 +102,9 @@ def time_us(fn, repeats: int, flush: torch.Tensor) -> float:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--source", default=str(Path(__file__).resolve().parent.parent / "kernels" / f"{V9}.cu"))
+    p.add_argument("--source", default=str(Path(__file__).resolve().parent.parent / "kernels" / f"{TC}.cu"))
     p.add_argument("--repeats", type=int, default=30)
-    p.add_argument("--splits", default="1,2,4", help="version 9 context splits to time")
+    p.add_argument("--splits", default="1,2,4", help="version 10 context splits to time")
     p.add_argument("--small", action="store_true", help="small shapes only (sanitizers)")
     p.add_argument(
         "--shapes",
@@ -117,7 +119,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     device = "cuda"
     base = Path(args.source).read_text()
-    sources = {"v9": base}
+    sources = {f"v{cuda_kernels.TENSOR_CORES}": base}
     for v in args.variant:
         name, edit = v.split("=", 1)
         old, new = edit.split("=>")
@@ -157,10 +159,10 @@ def main(argv=None) -> None:
                 except RuntimeError as e:
                     print(f"cuDNN unavailable: {str(e)[:200]}")
                     del calls["cuDNN sdpa"]
-            calls["v8 kernel"] = v8_call(data["paged"], scale)
+            calls[f"v{cuda_kernels.IDEAS['guard']} kernel"] = guard_call(data["paged"], scale)
             for name, src in sources.items():
                 for s in splits:
-                    calls[f"{name} splits={s}"] = v9_call(src, data["paged"], scale, s, error)
+                    calls[f"{name} splits={s}"] = tensor_core_call(src, data["paged"], scale, s, error)
             results = {}
             for name, fn in calls.items():
                 if name == "cuDNN sdpa":

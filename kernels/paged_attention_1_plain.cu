@@ -10,7 +10,7 @@
 //     out[s][h] = sum_t softmax(score)_t * v_t                  (head_size,)
 // the same numbers as vllmini.paged_attention(backend="torch"). It is written to be read, not to be fast:
 // no templates, no macros, no vector loads, no warp shuffles. The later kernels in this folder
-// (paged_attention_2_... to 9_...) make it fast one idea at a time; notebooks 05b and 07 walk through them.
+// (paged_attention_2_... to 10_...) make it fast one idea at a time; notebooks 05b and 07 walk through them.
 //
 // Shapes (contiguous, row-major, all float32 except the int32 tables):
 //     out, q             [num_seqs, num_heads, head_size]

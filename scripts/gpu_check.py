@@ -234,7 +234,7 @@ def tier_engine(debug: bool = False):
 
 def tier_decode():
     """The decode step (issue 25): the 0.85B decode table, the same with context pieces down to 64 tokens
-    (does splitting a short context pay inside the forward?), the course model's shape, and version 9 alone
+    (does splitting a short context pay inside the forward?), the course model's shape, and version 10 alone
     on short contexts at 1-8 pieces. JSON records in $OUT."""
     deadline = time.time() + TIER_BUDGET_S
     py, bench = sys.executable, str(ROOT / "benchmarks" / "bench_engine.py")
@@ -249,7 +249,7 @@ def tier_decode():
         run_item("decode", item, table + flags, 150, deadline)
     shapes = ["1x255x32x8", "8x255x32x8", "64x255x32x8", "64x511x32x8", "64x1023x32x8"]
     cmd = [py, str(ROOT / "benchmarks" / "bench_tensor_cores.py"), "--shapes", *shapes, "--splits", "1,2,4,8"]
-    run_item("decode", "version 9 on short contexts", cmd, 120, deadline)
+    run_item("decode", "version 10 on short contexts", cmd, 120, deadline)
 
 
 # ----------------------------------------------------------------------------- the kernel driver
@@ -257,7 +257,7 @@ def tier_decode():
 
 def kernel_driver(runtime: str = "cupy", only: str | None = None) -> int:
     """A few small launches of every kernel version through CuPy, each checked against float64
-    (sanitizers), versions 6-9 also split, 8-9 with their guard catching a bad id. runtime "emulator" runs
+    (sanitizers), versions 7-10 also split, 9-10 with their guard catching a bad id. runtime "emulator" runs
     the same on the CPU (to try the driver without a GPU); then kernels/layer_ops.cu. `only`: one version
     number, or "layer_ops"."""
     import torch
@@ -272,7 +272,7 @@ def kernel_driver(runtime: str = "cupy", only: str | None = None) -> int:
         (2, 8, 2, 80, 8, (9, 33)),
         (1, 4, 1, 256, 1, (5,)),
     ]
-    # version 9 (16-bit, head sizes 64 and 128): a GQA group of 4 in 8 rows, a group of 16 in 16 rows
+    # version 10 (16-bit, head sizes 64 and 128): a GQA group of 4 in 8 rows, a group of 16 in 16 rows
     cases_tc = [(3, 8, 2, 128, 16, (1, 17, 100)), (2, 16, 1, 64, 8, (9, 33))]
     device = "cuda" if runtime == "cupy" else "cpu"
     keys = ("query", "key_cache", "value_cache", "block_tables", "seq_lens")

@@ -44,7 +44,10 @@ def test_dropped_bounds_check_is_caught_in_the_default_mode():
         error = info.value
         assert error.line == line_of(broken, "    out[i] = x[i] + y[i];")
         first = {"in_order": 1000, "reverse": 1023}[schedule]  # the first thread past the end to run
-        assert error.access == "read" and error.buffer in ("x", "y") and error.offset == 4 * first
+        # the read past x's end: named as x (byte 4 * first), or, when the allocator put y's guard zone
+        # right after x's, as a read before y's start; the thread and the line are exact either way
+        assert error.access == "read" and error.buffer in ("x", "y")
+        assert error.offset == 4 * first if error.buffer == "x" else error.offset < 0
         assert str(error).startswith(f"vector_add_unchecked: vector_add.cu:{error.line}: thread (")
         assert f"thread ({first - 768},0,0) of block (3,0,0)" in str(error)
     fixed = RawKernel(source, "vector_add")  # the same launch with the check: no error, the right sum
@@ -216,13 +219,13 @@ def test_every_paged_attention_kernel_is_race_free(monkeypatch, dtype):
     case = make_decode_case(3, 3, 4, 2, 64, 8, (1, 17, 40), dtype=dtype)
     keys = ("query", "key_cache", "value_cache", "block_tables", "seq_lens")
     versions = cuda_kernels.kernel_versions()
-    assert sorted(versions) == list(range(1, 10))
+    assert sorted(versions) == list(range(1, 11))
     for version, kernel in versions.items():
         if dtype not in kernel.dtypes:
-            continue  # the plain kernel is float32 only; version 9 (tensor cores) 16-bit only
+            continue  # the plain kernel is float32 only; version 10 (tensor cores) 16-bit only
         out = vllmini.paged_attention(*(case[k] for k in keys), backend="emulator", kernel_version=version)
         assert_close(out, reference_decode(case), dtype)
-    out = torch.empty_like(case["query"])  # kernel 8 splitting each context, with its log-sum-exp merge
+    out = torch.empty_like(case["query"])  # kernel 9 splitting each context, with its log-sum-exp merge
     cuda_kernels.paged_attention_kernel(*(case[k] for k in keys), 64**-0.5, out, "emulator", num_splits=3)
     assert_close(out, reference_decode(case), dtype)
 

@@ -1,6 +1,7 @@
 """Tests for vllmini.course.exercises: every check accepts a right answer and rejects a wrong one."""
 
 import collections
+import re
 from pathlib import Path
 
 import pytest
@@ -225,10 +226,31 @@ CUDA_CHECKS = {
 }
 
 
+SOLUTIONS = {  # the worked answer of each: a file of its own, or the kernel version it asks you to write
+    "warp_reduction.cu": EXERCISES.parent / "paged_attention_2_warp_per_token.cu",
+    "split_merge.cu": EXERCISES / "solutions" / "split_merge.cu",
+}
+
+
+def _body(text: str) -> str:
+    """A kernel file from its first #define on: the code, without the header comment."""
+    return text[text.index("#define") :]
+
+
+def test_warp_reduction_skeleton_is_version_2_without_warp_sum():
+    solution, skeleton = (
+        _body(SOLUTIONS["warp_reduction.cu"].read_text()),
+        _body((EXERCISES / "warp_reduction.cu").read_text()),
+    )
+    cut = lambda text: re.sub(r"(float warp_sum\(float v\) \{).*?(\n\})", r"\1\2", text, flags=re.S)  # noqa: E731
+    assert cut(solution) != solution and cut(skeleton) != skeleton  # both have a warp_sum body to cut
+    assert cut(skeleton) == cut(solution), "the exercise drifted from version 2 outside warp_sum's body"
+
+
 @pytest.mark.parametrize("name", sorted(CUDA_CHECKS))
 def test_cuda_exercise_solution_passes_and_skeleton_fails(name, capsys):
     check = CUDA_CHECKS[name]
-    check((EXERCISES / "solutions" / name).read_text())
+    check(SOLUTIONS[name].read_text())
     assert capsys.readouterr().out.startswith("correct: ")
     skeleton = (EXERCISES / name).read_text()
     assert "TODO" in skeleton
@@ -241,10 +263,14 @@ WARP_BUGS = [  # (what the bug changes in the solution, the error, what its mess
     (
         ("0xffffffffu", "0x0000ffffu"),
         KernelError,
-        r"warp_reduction.cu:\d+: .*0x0000ffff.*not in the mask",
+        r"paged_attention_2_warp_per_token.cu:\d+: .*0x0000ffff.*not in the mask",
     ),
     (("WARP_SIZE / 2; offset > 0", "WARP_SIZE / 4; offset > 0"), AssertionError, r"wrong values.*butterfly"),
-    (("if (lane == 0) scores[t]", "scores[t]"), RaceError, r"warp_reduction.cu:\d+: race on shared memory"),
+    (
+        ("if (lane == 0) scores[t]", "scores[t]"),
+        RaceError,
+        r"paged_attention_2_warp_per_token.cu:\d+: race on shared memory",
+    ),
 ]
 MERGE_BUGS = [
     (
@@ -262,7 +288,7 @@ MERGE_BUGS = [
 )
 def test_cuda_exercise_checks_name_a_planted_bug(name, bug):
     (old, new), error, message = bug
-    solution = (EXERCISES / "solutions" / name).read_text()
+    solution = SOLUTIONS[name].read_text()
     assert old in solution
     with pytest.raises(error, match=message):
         CUDA_CHECKS[name](solution.replace(old, new))

@@ -16,11 +16,16 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+import torch
+
+from vllmini import cuda_kernels
 
 ROOT = Path(__file__).resolve().parents[1]
+GUARD, TC = cuda_kernels.IDEAS["guard"], cuda_kernels.TENSOR_CORES  # rows "v9 kernel", "v10 splits=n"
+HALF = [v.number for v in cuda_kernels.VERSIONS if torch.float16 in v.dtypes]  # notebook 07's rows
 RECORDED = ROOT / "benchmarks" / "recorded"
-PUBLIC_CALL = "h200_public_call_2026-12-03.txt"
-TENSOR_CORES = "h200_tensor_cores_2026-12-03.txt"
+PUBLIC_CALL = "h200_public_call_2026-12-03_1853.txt"
+TENSOR_CORES = "h200_tensor_cores_2026-12-03_1853.txt"
 DTYPES = ("float16", "bfloat16", "float32")
 
 
@@ -114,16 +119,17 @@ def tensor_core_times() -> dict[tuple[str, str, str], float]:
 
 
 def _tensor_core_line(shape: str, dtype: str) -> tuple:
-    """Notebook 07's line for a GQA shape: cuDNN's time, v8's and the fastest v9 row's ratios, its pieces."""
+    """Notebook 07's line for a GQA shape: cuDNN's time, the guard version's and the fastest tensor-core row's
+    ratios, its pieces."""
     times = tensor_core_times()
-    v9 = min((r for s, d, r in times if (s, d) == (shape, dtype) and r.startswith("v9 splits=")),
+    best = min((r for s, d, r in times if (s, d) == (shape, dtype) and r.startswith(f"v{TC} splits=")),
              key=lambda r: times[shape, dtype, r])  # fmt: skip
     ratios = tensor_cores()
     return (
         times[shape, dtype, "cuDNN sdpa"],
-        ratios[shape, dtype, "v8 kernel"],
-        ratios[shape, dtype, v9],
-        int(v9.split("=")[1]),
+        ratios[shape, dtype, f"v{GUARD} kernel"],
+        ratios[shape, dtype, best],
+        int(best.split("=")[1]),
     )
 
 
@@ -265,12 +271,14 @@ FIGURES = [
         lambda: (span(r.ratio for r in call_rows("(e)", "GQA 32/4")),),
     ),
     Figure("{}x for 64/8", PUBLIC_CALL, lambda: (span(r.ratio for r in call_rows("GQA 64/8")),)),
-    # version 8 on the same GQA 32/8 shape, bench_tensor_cores.py's "x cuDNN" column, both dtypes
+    # version 9 on the same GQA 32/8 shape, bench_tensor_cores.py's "x cuDNN" column, both dtypes
     Figure(
-        "(version 8 on CUDA cores: {}x)",
+        "(version 9 on CUDA cores: {}x)",
         TENSOR_CORES,
         lambda: (
-            span((tensor_cores()["B64 L4096 32/8", d, "v8 kernel"] for d in ("float16", "bfloat16")), 1),
+            span(
+                (tensor_cores()["B64 L4096 32/8", d, f"v{GUARD} kernel"] for d in ("float16", "bfloat16")), 1
+            ),
         ),
     ),
     # the public call's host time per call on the shapes over the 15 us target, rounded to tens
@@ -682,7 +690,7 @@ NOTEBOOK_FIGURES = [
             rf"{re.escape(row)} +" + " +".join([rf"{N}%"] * 6),
             lambda row=row: _share_line(row),
         )
-        for row in ("sdpa (contiguous)", *(f"v{n} kernel" for n in range(2, 10)))
+        for row in ("sdpa (contiguous)", *(f"v{n} kernel" for n in HALF))
     ),
     *(
         (
@@ -704,7 +712,7 @@ NOTEBOOK_FIGURES = [
         (
             "07_fast_kernel.ipynb",
             f'"{TENSOR_CORES}"',
-            rf"{shape} {dtype} +cuDNN +{N} us +v8 {N}x +v9 {N}x \(splits={N}\)",
+            rf"{shape} {dtype} +cuDNN +{N} us +v{GUARD} {N}x +v{TC} {N}x \(splits={N}\)",
             lambda shape=shape, dtype=dtype: _tensor_core_line(shape, dtype),
         )
         for shape in ("B64 L4096 32/8", "B64 L4096 32/4", "B64 L4096 64/8")
@@ -713,8 +721,8 @@ NOTEBOOK_FIGURES = [
     (
         "solutions/07_fast_kernel_solutions.ipynb",
         "share = ",
-        rf"version 8 on \(e\): {N} us",
-        lambda: (_attention_time(_attention_shapes()[4], "v8 kernel"),),
+        rf"version 9 on \(e\): {N} us",
+        lambda: (_attention_time(_attention_shapes()[4], f"v{GUARD} kernel"),),
     ),
 ]
 

@@ -44,7 +44,7 @@ TENSOR = cuda_kernels.TENSOR_CORES
 
 
 def takes(version: int, params) -> bool:
-    """Whether a kernel version runs a case's head size (version 9: 64 and 128 only)."""
+    """Whether a kernel version runs a case's head size (version 10: 64 and 128 only)."""
     return version != TENSOR or params.head_size in cuda_kernels.TENSOR_CORE_HEAD_SIZES
 
 
@@ -78,30 +78,33 @@ def test_kernel_sources_are_found():
         for dtype in v.dtypes:  # every entry point the registry names is in the file
             assert f" {v.function(dtype)}(" in cuda_kernels.read_kernel_source(v.file)
     with pytest.raises(
-        KernelSourceNotFoundError, match="paged_attention_4_half_warps"
+        KernelSourceNotFoundError, match="paged_attention_5_half_warps"
     ):  # a FileNotFoundError
         cuda_kernels.read_kernel_source("no_such_kernel")
 
 
 def test_version_registry_and_choice():
     versions = cuda_kernels.kernel_versions()
-    assert set(versions) >= set(range(2, 10)) and BEST == 8
+    assert set(versions) >= set(range(2, 11)) and BEST == 9
     assert all(v.file == f"paged_attention_{n}_{v.name}" for n, v in versions.items())
-    assert cuda_kernels.resolve_kernel_version("half_warps").number == 4
-    assert cuda_kernels.resolve_kernel_version("4_half_warps").number == 4
+    assert cuda_kernels.resolve_kernel_version("half_warps").number == 5
+    assert cuda_kernels.resolve_kernel_version("5_half_warps").number == 5
     assert cuda_kernels.resolve_kernel_version(np.int64(3)).number == 3
-    assert cuda_kernels.resolve_kernel_version(None, torch.bfloat16).number == 8
-    # the auto rule: version 9 for a 16-bit GQA group of head size 64 or 128 on tensor cores, else 8
+    assert cuda_kernels.resolve_kernel_version(None, torch.bfloat16).number == 9
+    # the auto rule: version 10 for a 16-bit GQA group of head size 64 or 128 on tensor cores, else 9
     auto = cuda_kernels.resolve_kernel_version
     for dtype in (torch.float16, torch.bfloat16):
-        assert auto(None, dtype, head_size=128, group=4).number == 9
-        assert auto(None, dtype, head_size=64, group=16).number == 9
-        assert auto(None, dtype, head_size=128, group=1).number == 8  # MHA
-        assert auto(None, dtype, head_size=96, group=4).number == 8
-        assert auto(None, dtype, head_size=128, group=4, tensor_cores=False).number == 8  # before sm_80
-    assert auto(None, torch.float32, head_size=128, group=4).number == 8
-    with pytest.raises(InvalidTypeError, match=r"kernel version 9 \(tensor_cores\) supports"):
-        auto(9, torch.float32)
+        assert auto(None, dtype, head_size=128, group=4).number == 10
+        assert auto(None, dtype, head_size=64, group=16).number == 10
+        assert auto(None, dtype, head_size=128, group=1).number == 9  # MHA
+        assert auto(None, dtype, head_size=96, group=4).number == 9
+        assert auto(None, dtype, head_size=128, group=4, tensor_cores=False).number == 9  # before sm_80
+    assert auto(None, torch.float32, head_size=128, group=4).number == 9
+    with pytest.raises(InvalidTypeError, match=r"kernel version 10 \(tensor_cores\) supports"):
+        auto(10, torch.float32)
+    for n in (2, 3, 4):  # the float32-only steps before 16-bit caches
+        with pytest.raises(InvalidTypeError, match=rf"kernel version {n} \(\w+\) supports"):
+            auto(n, torch.float16)
     with pytest.raises(InvalidArgumentError, match="kernel_version must be one of"):
         cuda_kernels.resolve_kernel_version(99)
     with pytest.raises(InvalidArgumentError, match="'nope' is not one of"):
@@ -114,29 +117,29 @@ def test_version_registry_and_choice():
 
 
 def test_launch_plan_splits_only_when_the_batch_does_not_fill_the_gpu():
-    v8 = cuda_kernels.kernel_versions()[8]
+    guard = cuda_kernels.kernel_versions()[cuda_kernels.IDEAS["guard"]]
     # (a) B=64 H=32: 2048 blocks fill 132 SMs; (f) B=1 H=32 L=4096: 32 blocks -> 16 pieces of 256 tokens
-    full = cuda_kernels.launch_plan(v8, 64, 32, 32, 128, 16, 256, torch.float16, 132)
+    full = cuda_kernels.launch_plan(guard, 64, 32, 32, 128, 16, 256, torch.float16, 132)
     assert full.num_splits == 1 and full.grid == (64, 32, 1) and full.heads_per_block == 1
-    one = cuda_kernels.launch_plan(v8, 1, 32, 32, 128, 16, 256, torch.float16, 132)
+    one = cuda_kernels.launch_plan(guard, 1, 32, 32, 128, 16, 256, torch.float16, 132)
     assert one.num_splits == 16 and one.pages_per_split == 16 and one.grid == (1, 32, 16)
     # GQA: one block per KV head serves its 4 query heads (8 heads in 2 blocks of 4)
-    gqa = cuda_kernels.launch_plan(v8, 64, 32, 8, 128, 16, 256, torch.float16, 132)
+    gqa = cuda_kernels.launch_plan(guard, 64, 32, 8, 128, 16, 256, torch.float16, 132)
     assert gqa.heads_per_block == 4 and gqa.grid[1] == 8
     assert (
-        cuda_kernels.launch_plan(v8, 4, 6, 2, 128, 16, 4, torch.float32, 132).heads_per_block == 1
+        cuda_kernels.launch_plan(guard, 4, 6, 2, 128, 16, 4, torch.float32, 132).heads_per_block == 1
     )  # group 3
-    assert cuda_kernels.launch_plan(v8, 4, 8, 2, 256, 16, 4, torch.float16, 132).heads_per_block == 2
+    assert cuda_kernels.launch_plan(guard, 4, 8, 2, 256, 16, 4, torch.float16, 132).heads_per_block == 2
     # short contexts are never cut below MIN_SPLIT_TOKENS
-    assert cuda_kernels.launch_plan(v8, 1, 4, 4, 64, 16, 8, torch.float32, 132).num_splits == 1
+    assert cuda_kernels.launch_plan(guard, 1, 4, 4, 64, 16, 8, torch.float32, 132).num_splits == 1
     # the pieces come from the longest sequence as the host knows it, not from the table's width
-    wide = cuda_kernels.launch_plan(v8, 1, 32, 32, 128, 16, 2048, torch.float16, 132, None, 4096)
+    wide = cuda_kernels.launch_plan(guard, 1, 32, 32, 128, 16, 2048, torch.float16, 132, None, 4096)
     assert wide.num_splits == 16 and wide.pages_per_split == 16
 
 
 def test_launch_plan_of_the_tensor_core_version():
-    v9 = cuda_kernels.kernel_versions()[9]
-    plan = lambda *a, **k: cuda_kernels.launch_plan(v9, *a, **k)  # noqa: E731
+    tc = cuda_kernels.kernel_versions()[cuda_kernels.TENSOR_CORES]
+    plan = lambda *a, **k: cuda_kernels.launch_plan(tc, *a, **k)  # noqa: E731
     # (e) GQA 32/8 B64: 512 blocks (a group of 4 each) on 3 x 132 slots; 3 pieces make 3.9 waves
     e = plan(64, 32, 8, 128, 16, 256, torch.float16, 132)
     assert e.heads_per_block == 4 and e.grid == (64, 8, 3) and e.pages_per_split == 86
@@ -166,11 +169,13 @@ def test_nvrtc_loads():
 
 
 # Every .cu file is compiled for the H100/H200: to a cubin for sm_90 (NVRTC, then ptxas), except versions
-# 2-6 of the chain, compiled to PTX for compute_90 (NVRTC alone): they build every head-size copy at once and
+# 4-7 of the chain, compiled to PTX for compute_90 (NVRTC alone): they build every head-size copy at once and
 # ptxas took 10-45 s each on CI's 2 cores (the GPU tests assemble and run them). A file whose code depends
 # on the architecture (__CUDA_ARCH__) is built for every arch the package names.
 ALL_COPIES = {
-    f"{v.file}.cu" for v in cuda_kernels.VERSIONS if 1 < v.number < cuda_kernels.IDEAS["fewer_instructions"]
+    f"{v.file}.cu"
+    for v in cuda_kernels.VERSIONS
+    if cuda_kernels.IDEAS["loads_in_flight"] <= v.number < cuda_kernels.IDEAS["fewer_instructions"]
 }
 
 
@@ -194,7 +199,7 @@ def test_every_kernel_compiles_with_nvrtc(path, arch):
             cuda_kernels.nvrtc_version()
         except RuntimeError as e:
             pytest.skip(f"NVRTC not installed here: {e}")
-    # versions 7 and 8 hold 48 copies of its loop (3 dtypes x 8 head-size chunks x GQA or not) and a GPU build
+    # versions 8 and 9 hold 48 copies of its loop (3 dtypes x 8 head-size chunks x GQA or not) and a GPU build
     # compiles one chunk's copies at a time (cuda_kernels.launch_plan); here too: minutes -> seconds
     options = ("-DVLLMINI_ONLY_CHUNKS=4",) if "VLLMINI_ONLY_CHUNKS" in path.read_text() else ()
     built = cuda_kernels.compile_for_arch(path.read_text(), arch, name=path.name, options=options)
@@ -254,7 +259,7 @@ def test_emulator_half_types_match_reference(params, dtype, version):
 @pytest.mark.parametrize("version", [v for v in SPLIT_VERSIONS if v != TENSOR])
 @pytest.mark.parametrize("params", DECODE_GRID_SMALL, ids=case_id)
 def test_split_context_merges_to_the_same_answer(params, version, num_splits, dtype):
-    """Versions 6-8 cut into pieces (some past a shorter sequence's end, so empty), merged by log-sum-exp."""
+    """Versions 7-9 cut into pieces (some past a shorter sequence's end, so empty), merged by log-sum-exp."""
     case = make_decode_case(36, *params, dtype=dtype)
     assert_close(launch(case, "emulator", version, num_splits=num_splits), reference_decode(case))
 
@@ -262,7 +267,7 @@ def test_split_context_merges_to_the_same_answer(params, version, num_splits, dt
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("params", [p for p in DECODE_GRID if takes(TENSOR, p)], ids=case_id)
 def test_tensor_cores_on_the_attention_grid(params, dtype):
-    """Version 9 through the public call on the emulator: the auto rule picks it for GQA; MHA asked for."""
+    """Version 10 through the public call on the emulator: the auto rule picks it for GQA; MHA asked for."""
     case = make_decode_case(43, *params, dtype=dtype)
     version = None if params.num_heads > params.num_kv_heads else TENSOR
     assert_close(decode(case, "emulator", kernel_version=version), reference_decode(case))
@@ -285,7 +290,7 @@ def test_one_token_returns_its_value_row_bit_for_bit(dtype):
     out = launch(case, "emulator", 8)
     expected = case["value_cache"][page, 0, 0]
     assert torch.equal(out[0, 0], expected) and torch.equal(out[0, 1], expected)
-    if dtype != torch.float32:  # version 9: the same, but for infinities (inf * 0 in the tile is NaN)
+    if dtype != torch.float32:  # version 10: the same, but for infinities (inf * 0 in the tile is NaN)
         case["value_cache"][page, 0, 0] = expected.nan_to_num(posinf=0.0, neginf=0.0)
         out = launch(case, "emulator", TENSOR)
         assert torch.equal(out[0, 0], case["value_cache"][page, 0, 0])
@@ -367,7 +372,7 @@ def test_launcher_refuses_what_the_kernel_cannot_do():
     with pytest.raises(ValueError, match="head_size <= 256, got 512"):
         launch(big, "emulator")
     odd = make_decode_case(28, 1, 4, 2, 80, 8, (5,), dtype=torch.float16)
-    with pytest.raises(ValueError, match="kernel version 9 supports head_size 64 or 128, got 80"):
+    with pytest.raises(ValueError, match="kernel version 10 supports head_size 64 or 128, got 80"):
         launch(odd, "emulator", TENSOR)
     most = case["block_tables"].shape[1] * 8  # the table's tokens
     with pytest.raises(ValueError, match=f"max_seq_len must be <= {most}, got {most + 1}"):
@@ -383,18 +388,20 @@ def test_launcher_refuses_what_the_kernel_cannot_do():
 
 
 def test_launch_plan_of_the_classic_versions():
-    v4 = cuda_kernels.kernel_versions()[4]
-    plan = cuda_kernels.launch_plan(v4, 3, 8, 8, 128, 16, 5, torch.float16, 132)
+    half = cuda_kernels.kernel_versions()[cuda_kernels.IDEAS["half_warps"]]
+    plan = cuda_kernels.launch_plan(half, 3, 8, 8, 128, 16, 5, torch.float16, 132)
     assert plan.grid == (3, 8, 1) and plan.block == (256, 1, 1) and plan.num_splits == 1
     # one (max, sum, head_size partial outputs) record per lane group; 16-bit types use groups of 16 lanes
     assert plan.shared_mem == (256 // 16) * (128 + 2) * 4
-    # version 5: a block per KV head serves its group of 4 (a record per lane group and head), no split
-    v5, v6 = (cuda_kernels.kernel_versions()[n] for n in (5, 6))
-    five = cuda_kernels.launch_plan(v5, 1, 32, 8, 128, 16, 256, torch.float16, 132)
+    # version 6: a block per KV head serves its group of 4 (a record per lane group and head), no split
+    blocks, split = (
+        cuda_kernels.kernel_versions()[cuda_kernels.IDEAS[n]] for n in ("kv_head_blocks", "split_context")
+    )
+    five = cuda_kernels.launch_plan(blocks, 1, 32, 8, 128, 16, 256, torch.float16, 132)
     assert five.grid == (1, 8, 1) and five.heads_per_block == 4 and five.options == ()
     assert five.shared_mem == (256 // 16) * 4 * (128 + 2) * 4
-    # version 6: the same block, and the context split until the grid fills the GPU
-    six = cuda_kernels.launch_plan(v6, 1, 32, 8, 128, 16, 256, torch.float16, 132)
+    # version 7: the same block, and the context split until the grid fills the GPU
+    six = cuda_kernels.launch_plan(split, 1, 32, 8, 128, 16, 256, torch.float16, 132)
     assert six.grid == (1, 8, 16) and six.pages_per_split == 16 and six.shared_mem == five.shared_mem
 
 

@@ -97,14 +97,14 @@ def test_wheel_ships_the_kernels(tmp_path):
     subprocess.run([*pip, "install", "--no-deps", "-q", "--target", site, wheel], check=True)
     code = (
         f"import sys; sys.path.insert(0, {str(site)!r}); import vllmini.cuda_kernels as ck; "
-        "print(ck.kernel_dir()); print(len(ck.read_kernel_source('paged_attention_4_half_warps')))"
+        "print(ck.kernel_dir()); print(len(ck.read_kernel_source('paged_attention_5_half_warps')))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path
     )
     kernel_dir, length = out.stdout.split()
     assert Path(kernel_dir) == site / "vllmini" / "kernels"
-    assert int(length) == len((ROOT / "kernels" / "paged_attention_4_half_warps.cu").read_text())
+    assert int(length) == len((ROOT / "kernels" / "paged_attention_5_half_warps.cu").read_text())
 
 
 def test_code_is_ruff_clean():

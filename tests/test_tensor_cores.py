@@ -1,8 +1,8 @@
-"""Tests for kernel version 9 (kernels/paged_attention_9_tensor_cores.cu): GQA decode on tensor cores.
+"""Tests for kernel version 10 (kernels/paged_attention_10_tensor_cores.cu): GQA decode on tensor cores.
 
 1. the emulator's model of `mma.sync.aligned.m16n8k16` (vllmini/emulator/emu_mma.h) against a plain matrix
    product, one fragment layout at a time (A, B, C/D) and all together; a lane that skips it is an error;
-2. version 9 through the emulator against the float64 reference: random non-identity block tables, GQA
+2. version 10 through the emulator against the float64 reference: random non-identity block tables, GQA
    groups 1, 4 and 8 (and 16 rows), lengths on and around block boundaries, with and without splits, the
    in-kernel guard;
 3. the same on a GPU (marked gpu), where the mma test checks the layouts against the hardware.
@@ -19,7 +19,7 @@ from vllmini import cuda_kernels
 from vllmini.emulator import KernelError, RawKernel
 
 MMA_SOURCE = (Path(__file__).resolve().parent / "emulator_kernels" / "mma.cu").read_text()
-V9 = "paged_attention_9_tensor_cores"
+V9 = "paged_attention_10_tensor_cores"
 THREADS = 128
 SUFFIX = {torch.float16: "_f16", torch.bfloat16: "_bf16"}
 
@@ -92,7 +92,7 @@ def test_gpu_mma_matches_the_same_layouts(dtype):
     _check_mma("cupy", dtype)
 
 
-# ----------------------------------------------------------------------------- version 9
+# ----------------------------------------------------------------------------- version 10
 
 
 def heads_per_block(num_heads: int, num_kv_heads: int) -> int:
@@ -102,7 +102,7 @@ def heads_per_block(num_heads: int, num_kv_heads: int) -> int:
 
 
 def launch_v9(case: dict, runtime: str, num_splits: int = 1, error: torch.Tensor | None = None, hpb=None):
-    """Version 9 on a decode case, launched as kernels/paged_attention_9_tensor_cores.cu's header says."""
+    """Version 10 on a decode case, launched as kernels/paged_attention_10_tensor_cores.cu's header says."""
     query, key_cache = case["query"], case["key_cache"]
     num_seqs, num_heads, head_size = query.shape
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape

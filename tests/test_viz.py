@@ -1279,7 +1279,7 @@ def test_transposed_butterfly_leaves_each_lane_one_tokens_sum():
     parts = [[rng.randint(-9, 9) for _ in range(tokens)] for _ in range(group)]
     rows = kernel_plots.transposed_butterfly_steps(parts)
     assert [len(row[0]) for row in rows] == [4, 2, 1, 1, 1]  # 2 halving steps, then 2 plain ones
-    # the kernel's my_token (paged_attention_8_guard.cu): lane & 8 -> tokens 2, 3; lane & 4 -> odd token
+    # the kernel's my_token (paged_attention_9_guard.cu): lane & 8 -> tokens 2, 3; lane & 4 -> odd token
     my_token = [2 * bool(lane & 8) + bool(lane & 4) for lane in range(group)]
     assert rows[-1] == [[(u, float(sum(p[u] for p in parts)))] for u in my_token]
     assert rows[1][0] == [(0, parts[0][0] + parts[8][0]), (1, parts[0][1] + parts[8][1])]

@@ -4,7 +4,7 @@ prefill (`paged_prefill_attention`): each sequence's new tokens (its last, alrea
 Shapes, dtypes and devices are checked on the host; the values of block_tables and seq_lens one of three
 ways (`validate=`; None: `guarded_by_default` picks "guard" or "host"):
     "host"  (True)   checked with numpy on the host: free for CPU tensors, one sync for CUDA ones.
-    "guard"          the in-kernel guard (kernels 8-9, the default for "cupy"): a bad page id is never read,
+    "guard"          the in-kernel guard (kernels 9-10, the default for "cupy"): a bad page id is never read,
                      its sequence's rows come out NaN, and `check_kernel_errors()` raises it later.
     "trust" (False)  no check, for a caller that checked these tables already (check_block_tables).
 Backends: "torch" (gather, then SDPA); "cupy" (a GPU) and "emulator" (the CPU) launch a cuda_kernels version
@@ -279,7 +279,7 @@ def _table_check_mode(validate, backend: str, version: KernelVersion | None) -> 
     if validate == "guard" and not (version is not None and version.guard):
         raise InvalidArgumentError(
             f"validate='guard' needs a kernel with the in-kernel guard (backend 'cupy' or 'emulator', "
-            f"kernel version 8 or 9); backend is {backend!r}"
+            f"kernel version 9 or 10); backend is {backend!r}"
         )
     return validate
 

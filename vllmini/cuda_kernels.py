@@ -32,15 +32,15 @@ NVRTC_OPTIONS = ("--std=c++17",)
 DTYPE_SUFFIX = dict(zip(FLOAT_DTYPES, ("", "_f16", "_bf16"), strict=True))  # entry point name suffixes
 
 WARP_SIZE = 32
-MAX_HEAD_SIZE = 256  # versions 2-8: head_size / 32 floats per lane in registers
-TENSOR_CORE_HEAD_SIZES = (64, 128)  # version 9: one compiled copy per head size
+MAX_HEAD_SIZE = 256  # versions 3-9: head_size / 32 floats per lane in registers
+TENSOR_CORE_HEAD_SIZES = (64, 128)  # version 10: one compiled copy per head size
 TENSOR_CORE_ARCH = (8, 0)  # mma.sync m16n8k16 with bf16 inputs: sm_80 and newer
 MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
 DEFAULT_SHARED_BYTES = 48 * 1024  # dynamic shared memory a block gets without opting in
 MAX_SHARED_BYTES = 232448  # the most an H100/H200 block may opt into (227 KiB); less on older GPUs
 EMULATOR_SMS = 4  # the "multiprocessors" launch_plan assumes for the emulator (a CPU runs blocks one by one)
-SPLIT_TARGET_BLOCKS_PER_SM = 8  # versions 6-8 split contexts until the grid has this many blocks per SM
-TENSOR_CORE_BLOCKS_PER_SM = 3  # version 9: 168 registers x 128 threads, 3 blocks fit an SM
+SPLIT_TARGET_BLOCKS_PER_SM = 8  # versions 7-9 split contexts until the grid has this many blocks per SM
+TENSOR_CORE_BLOCKS_PER_SM = 3  # version 10: 168 registers x 128 threads, 3 blocks fit an SM
 MAX_TENSOR_CORE_SPLITS = 4
 MIN_SPLIT_TOKENS = 256  # no context piece shorter than this (the merge would cost more than it gains)
 MERGE_THREADS = 128
@@ -105,17 +105,19 @@ class KernelVersion:
 
 
 # every version, in order, each the previous one plus one idea: (number, name, dtypes, threads, summary)
+FP32 = (torch.float32,)
 VERSIONS: tuple[KernelVersion, ...] = tuple(KernelVersion(*row) for row in (
-    (1, "plain", (torch.float32,), 128, "scores in shared memory, three passes (notebook 05b)"),
-    (2, "warp_softmax", FLOAT_DTYPES, 256, "a warp per token, online softmax per warp"),
-    (3, "vector_loads", FLOAT_DTYPES, 256, "lanes own consecutive dims: 16-byte loads"),
-    (4, "half_warps", FLOAT_DTYPES, 256, "16-bit rows in half warps: 2 tokens a warp"),
-    (5, "kv_head_blocks", FLOAT_DTYPES, 256, "one block per KV head serves its query group"),
-    (6, "split_context", FLOAT_DTYPES, 256, "long contexts split over blocks, merged by log-sum-exp"),
-    (7, "fewer_instructions", FLOAT_DTYPES, 128, "transposed butterfly, one exp2 a lane, output in the input "
+    (1, "plain", FP32, 128, "scores in shared memory, three passes (notebook 05b)"),
+    (2, "warp_per_token", FP32, 128, "a warp per token: lanes split a K row, a shuffle sums them"),
+    (3, "online_softmax", FP32, 128, "one pass: a running max, sum and output per warp, no scores"),
+    (4, "loads_in_flight", FP32, 256, "more bytes in flight: 16-byte loads, 8 rows a warp before use"),
+    (5, "half_warps", FLOAT_DTYPES, 256, "16-bit caches: a row to half a warp, 2 tokens a warp"),
+    (6, "kv_head_blocks", FLOAT_DTYPES, 256, "one block per KV head serves its query group"),
+    (7, "split_context", FLOAT_DTYPES, 256, "long contexts split over blocks, merged by log-sum-exp"),
+    (8, "fewer_instructions", FLOAT_DTYPES, 128, "transposed butterfly, one exp2 a lane, output in the input "
      "dtype"),
-    (8, "guard", FLOAT_DTYPES, 128, "page ids and lengths checked in the kernel, without a host sync"),
-    (9, "tensor_cores", FLOAT_DTYPES[1:], 128, "a GQA group packed into an mma tile: QK^T and P.V on tensor "
+    (9, "guard", FLOAT_DTYPES, 128, "page ids and lengths checked in the kernel, without a host sync"),
+    (10, "tensor_cores", FLOAT_DTYPES[1:], 128, "a GQA group packed into an mma tile: QK^T and P.V on tensor "
      "cores"),
 ))  # fmt: skip
 IDEAS = {v.name: v.number for v in VERSIONS}  # idea -> the version that adds it
@@ -132,14 +134,14 @@ def kernel_versions() -> Mapping[int, KernelVersion]:
 
 
 def resolve_kernel_version(
-    version: KernelVersion | int | str | None,  # None: 9 for a 16-bit GQA group on tensor cores, else 8
+    version: KernelVersion | int | str | None,  # None: 10 for a 16-bit GQA group on tensor cores, else 9
     dtype: torch.dtype | None = None,
     *,
     head_size: int | None = None,  # 9 is picked for 64 or 128
     group: int = 1,
     tensor_cores: bool = True,  # sm_80+, or the emulator
 ) -> KernelVersion:
-    """A KernelVersion from a number, a name ("half_warps"), a stem ("4_half_warps") or itself."""
+    """A KernelVersion from a number, a name ("half_warps"), a stem ("5_half_warps") or itself."""
     versions = kernel_versions()
     if version is None:
         tc = versions.get(TENSOR_CORES)
@@ -170,12 +172,12 @@ def resolve_kernel_version(
 
 @functools.cache
 def has_tensor_cores(device_index: int) -> bool:
-    """True when the CUDA device runs version 9's mma.sync m16n8k16 (sm_80 or newer; asked once)."""
+    """True when the CUDA device runs version 10's mma.sync m16n8k16 (sm_80 or newer; asked once)."""
     return torch.cuda.get_device_capability(device_index) >= TENSOR_CORE_ARCH
 
 
 class LaunchPlan(NamedTuple):
-    """How one call launches a version: the main kernel's shape and, from version 5, its work split."""
+    """How one call launches a version: the main kernel's shape and, from version 6, its work split."""
 
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
@@ -183,7 +185,7 @@ class LaunchPlan(NamedTuple):
     heads_per_block: int  # query heads one block serves (a GQA group, or part of one)
     num_splits: int  # context pieces per (sequence, head block); > 1 adds the merge kernel
     pages_per_split: int
-    options: tuple[str, ...]  # extra NVRTC options (versions 7-9 compile one copy per module)
+    options: tuple[str, ...]  # extra NVRTC options (versions 8-10 compile one copy per module)
 
 
 @functools.cache
@@ -207,10 +209,10 @@ def launch_plan(
     max_seq_len: int | None = None,
 ) -> LaunchPlan:
     """The launch of `version` on `sms` multiprocessors (cached; notebook 07 tells the rule): a block per
-    (sequence, query head) for 1-4, per (sequence, heads of a group) from 5, per context piece too from 6."""
+    (sequence, query head) for 1-5, per (sequence, heads of a group) from 6, per context piece too from 7."""
     chunks, block = cdiv(head_size, WARP_SIZE), (version.threads, 1, 1)  # 32-dim chunks of a head
     if not version.has("kv_head_blocks"):
-        if version.number == 1:
+        if not version.has("online_softmax"):
             shared_mem = (max_num_blocks_per_seq * block_size + version.threads) * 4  # scores + scratch
         else:
             shared_mem = (version.threads // 16) * (head_size + 2) * 4  # per lane group: max, sum, output
@@ -248,7 +250,7 @@ def launch_plan(
 
 
 def _num_splits(version: KernelVersion, blocks: int, slots: int, longest: int) -> int:
-    """Context pieces for `blocks` on `slots` resident blocks (version 9: one wave, or the fullest last)."""
+    """Context pieces for `blocks` on `slots` resident blocks (version 10: one wave, or the fullest last)."""
     most = max(1, longest // MIN_SPLIT_TOKENS)
     if not version.has("tensor_cores"):
         return 1 if blocks >= slots else min(cdiv(slots, blocks), most)
@@ -425,7 +427,7 @@ class PreparedCall(NamedTuple):
         plan, device, kernel = self.plan, self.device, self.kernel
         out_raw, part_out, part_ml = out, 0, 0
         if out.dtype != torch.float32 and not kernel.has("fewer_instructions"):
-            out_raw = torch.empty(out.shape, device=device)  # versions 1-6 write float32: rounded once, after
+            out_raw = torch.empty(out.shape, device=device)  # versions 1-7 write float32: rounded once, after
         values = [out_raw.data_ptr()]
         if kernel.has("split_context"):
             if self.merge is not None:
@@ -494,7 +496,7 @@ def plan_call(
     names, file, index = (kernel.function(dtype), merge_name if split else None), kernel.file, device.index
     if runtime == "emulator":
         main, merge = (name and functools.partial(_emulated, _emulator_kernel(file, name)) for name in names)
-    else:  # from version 7: plan.options pick one copy of the kernel per module
+    else:  # from version 8: plan.options pick one copy of the kernel per module
         main, merge = (name and _cupy_kernel(file, name, index, source, plan.options) for name in names)
         if plan.shared_mem > DEFAULT_SHARED_BYTES and main.max_dynamic_shared_size_bytes < plan.shared_mem:
             main.max_dynamic_shared_size_bytes = plan.shared_mem  # opt in (raises if the GPU has less)

@@ -69,10 +69,11 @@ def _paged_decode_reference(c: dict) -> torch.Tensor:
 
 
 def check_warp_reduction_kernel(source: str, checked: bool = True) -> None:
-    """Exercise 05b (kernels/exercises/warp_reduction.cu): the learner's `paged_attention_warp_reduction`,
-    run on the CPU emulator -- once with the race detector, then in checked mode (AddressSanitizer) --
-    on random block tables, GQA, head sizes that are and are not multiples of 32, against float64."""
-    kernel = _emulated(source, "paged_attention_warp_reduction", checked)
+    """Exercise 05b (kernels/exercises/warp_reduction.cu): the learner's version 2,
+    `paged_attention_2_warp_per_token`, run on the CPU emulator -- once with the race detector, then in
+    checked mode (AddressSanitizer) -- on random block tables, GQA, head sizes that are and are not
+    multiples of 32, against float64."""
+    kernel = _emulated(source, "paged_attention_2_warp_per_token", checked)
     cases = [(0, [1, 17, 40], 4, 2, 64, 16), (1, [100, 33], 4, 1, 80, 8), (2, [300], 2, 2, 128, 16)]
     for i, (seed, lens, heads, kv_heads, d, bs) in enumerate(cases):
         c = _paged_decode_case(seed, lens, heads, kv_heads, d, bs)

@@ -222,7 +222,8 @@ def page_read_owner(kernel: str, block_size: int = 16, head_size: int = 128):
 
 def draw_page_reads(block_size: int = 16, head_size: int = 128, figsize=(14, 7.5)) -> Figure:
     """One K page (block_size tokens x head_size float32) coloured by the thread that reads each element,
-    for kernels 1, 2 and 3, with what ONE load instruction of a warp touches outlined in red."""
+    for kernel 1, kernels 2-3 and kernels 4-5, with what ONE load instruction of a warp touches outlined in
+    red."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 
@@ -231,9 +232,10 @@ def draw_page_reads(block_size: int = 16, head_size: int = 128, figsize=(14, 7.5
         ("1", f"kernel 1: thread t reads token t's whole row, one float per instruction.\n"
               f"One warp instruction: float 0 of 32 rows ({min(block_size, WARP_SIZE)} in this page), "
               f"{head_size * 4} bytes apart (not coalesced)"),
-        ("2", f"kernel 2: a warp per token; lane l reads dims l, l+32, ... ({dims} loads of 4 bytes).\n"
+        ("2", f"kernels 2 and 3: a warp per token; lane l reads dims l, l+32, ... ({dims} loads of 4 bytes)."
+              "\n"
               f"One warp instruction: 32 adjacent floats = 128 bytes (coalesced)"),
-        ("3", f"kernels 3 and 4: lane l reads dims {dims}l .. {dims}l+{dims - 1}, one {dims * 4}-byte load.\n"
+        ("3", f"kernels 4 and 5: lane l reads dims {dims}l .. {dims}l+{dims - 1}, one {dims * 4}-byte load.\n"
               f"One warp instruction: the whole row, {head_size * 4} adjacent bytes"),
     ]  # fmt: skip
     fig, axes = plt.subplots(3, 1, figsize=figsize)

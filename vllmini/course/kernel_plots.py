@@ -1,6 +1,6 @@
-"""Kernel pictures (notebook 07): the decode roofline, how versions split the work, version 7's transposed
-butterfly and version 6's split-context merge, recorded bandwidth per shape, and the
-tensor core's mma fragments."""
+"""Kernel pictures (notebooks 05b and 07): each version's step as a diff, the decode roofline, how versions
+split the work, version 8's transposed butterfly and version 7's split-context merge, recorded bandwidth
+per shape, and the tensor core's mma fragments."""
 
 from __future__ import annotations
 
@@ -16,6 +16,27 @@ H200_READ_BW = 4.49e12
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
+
+
+def code_lines(number: int) -> list[str]:
+    """Kernel version `number`'s source without comment-only and blank lines, its own name (the file stem,
+    which starts every entry point's name) written paged_attention_n, so a diff shows code, not renames."""
+    from vllmini import cuda_kernels
+
+    stem = cuda_kernels.kernel_versions()[number].file
+    text = cuda_kernels.read_kernel_source(stem).replace(stem, "paged_attention_n")
+    return [line for line in text.splitlines() if line.strip() and not line.strip().startswith("//")]
+
+
+def step_diff(number: int, context: int = 0) -> str:
+    """The unified diff of version `number`'s code against version `number - 1`'s: the step's one idea."""
+    import difflib
+
+    from vllmini import cuda_kernels
+
+    old, new = (cuda_kernels.kernel_versions()[n].file for n in (number - 1, number))
+    lines = difflib.unified_diff(code_lines(number - 1), code_lines(number), old, new, n=context, lineterm="")
+    return "\n".join(lines)
 
 
 def plot_decode_roofline(
@@ -96,7 +117,8 @@ def plot_recorded_bandwidth(rows: list[dict], dtype: str, *, figsize=(10, 3.6)) 
 
     rows = [r for r in rows if r["dtype"] == dtype and r["block_size"] == 16]
     keep = ["read ceiling", "sdpa (contiguous)", "torch gather"]
-    keep += sorted({r["backend"] for r in rows if r["backend"].endswith(" kernel")})
+    versions = {r["backend"] for r in rows if r["backend"].endswith(" kernel")}  # "v5 kernel" .. "v10 kernel"
+    keep += sorted(versions, key=lambda name: int(name.split()[0][1:]))
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     fig, ax = plt.subplots(figsize=figsize)
     width = 0.8 / len(keep)
@@ -195,7 +217,7 @@ def plot_tensor_core_gain(
 
 
 def transposed_butterfly_steps(parts) -> list[list[list[tuple[int, float]]]]:
-    """Version 5's step 4, in Python: `parts[lane][u]` is a lane's partial dot product for token u (a group
+    """Version 8's step 4, in Python: `parts[lane][u]` is a lane's partial dot product for token u (a group
     of GROUP = len(parts) lanes, TOKENS = len(parts[0]) tokens). Each step with offset k = GROUP/2, GROUP/4,
     ... keeps half of a lane's values (the upper half where lane & k), adds the partner's (lane ^ k) same
     half, and sends it the other; once one value is left, plain butterflies. Returns every row of
@@ -259,7 +281,7 @@ def plot_transposed_butterfly(parts, *, lane: int = 0, figsize=(11, 4.2)) -> Fig
 
 def split_merge(scores, values, pieces: int) -> dict:
     """One query over one context of len(scores) tokens cut into `pieces` consecutive pieces (the last may
-    be shorter), as version 6's split blocks see it: each piece's m_i = max score, l_i = sum exp(s - m_i)
+    be shorter), as version 7's split blocks see it: each piece's m_i = max score, l_i = sum exp(s - m_i)
     and o_i = its normalized output; then M = max m_i, w_i = l_i e^(m_i - M) / sum_j l_j e^(m_j - M) and
     out = sum w_i o_i. float64 throughout."""
     import numpy as np

@@ -29,7 +29,7 @@ checked BEFORE it happens against the buffer arguments (a write: a non-const one
 memory, the thread's own stack and the library's static data. A stray access raises OutOfBoundsError
 naming the kernel, the thread, the kernel line, the buffer and the byte offset (dropping `if (i < n)`
 from vector_add is caught on every run), and never touches Python's memory. Cost: 5-30% on the course's
-kernels 2-5, up to ~6x on a kernel made of plain loads in a loop (kernel 1); tests/test_kernels.py takes
+kernels 2-6, up to ~6x on a kernel made of plain loads in a loop (kernel 1); tests/test_kernels.py takes
 about the same time. Not checked: an argument passed as a raw address (its extent is unknown: then no
 bounds are checked in that launch), accesses made inside C library calls (memcpy, printf), an index that
 lands inside ANOTHER buffer argument, and dynamic shared memory past `shared_mem` (227 KiB are there).

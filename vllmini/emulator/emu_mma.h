@@ -1,6 +1,6 @@
 // emu_mma.h: the warp-wide tensor-core product of the PTX instruction
 //     mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32   D (16x8) = A (16x16) * B (16x8) + C
-// for the CPU emulator. A kernel calls it through its own wrapper (kernels/paged_attention_9_tensor_cores.cu:
+// for the CPU emulator. A kernel calls it through its own wrapper (kernels/paged_attention_10_tensor_cores.cu:
 // the inline PTX on a GPU, __emu::mma_m16n8k16 here). Every lane of the warp must make the call, at the
 // same line, as on the GPU (.aligned): it is a warp collective here, so a divergent call is an error.
 //

@@ -1,6 +1,6 @@
 // split_merge.cu -- worked solution of notebook 07's exercise "write the split-context merge".
 //
-// A long context is cut into num_splits pieces, each attended by its own thread block (version 6's split
+// A long context is cut into num_splits pieces, each attended by its own thread block (version 7's split
 // contexts, FlashDecoding). Piece s of a (sequence, head) row leaves three things behind:
 //     m_s    the largest score in the piece (natural units: score = scale * q . k)
 //     l_s    the sum over the piece of exp(score - m_s)
@@ -8,7 +8,7 @@
 // A piece with no tokens (past the end of a shorter sequence) has m_s = -INFINITY, l_s = 0, o_s = 0.
 // The whole row's softmax output, by log-sum-exp: with M = max_s m_s and w_s = l_s * exp(m_s - M),
 //     out = sum_s w_s * o_s / sum_s w_s
-// (exp(m_s - M) <= 1, so nothing overflows however large the scores; version 6's merge kernel does the
+// (exp(m_s - M) <= 1, so nothing overflows however large the scores; version 7's merge kernel does the
 // same in the log2 domain, with exp2f).
 //
 // Shapes (contiguous, float32):

@@ -1,4 +1,4 @@
-// paged_attention_6_split_context.cu -- decode attention that reads K and V through the page table.
+// paged_attention_6_kv_head_blocks.cu -- decode attention that reads K and V through the page table.
 //
 // What it computes, for every sequence s and query head h (one new token per sequence):
 //     kv = h / (num_heads / num_kv_heads)                      grouped-query / multi-query attention
@@ -15,28 +15,20 @@
 //     value_cache
 //     block_tables    int32 [num_seqs, max_num_blocks_per_seq]  (entries past a sequence's length unused)
 //     seq_lens        int32 [num_seqs]
-//     part_out        float32 [num_seqs, num_heads, num_splits, head_size]  (only with num_splits > 1;
-//     part_ml         float32 [num_seqs, num_heads, num_splits, 2]           may be null otherwise)
 //
-// Entry points: paged_attention_6_split_context (float32), paged_attention_6_split_context_f16 and paged_attention_6_split_context_bf16 (the
+// Entry points: paged_attention_6_kv_head_blocks (float32), paged_attention_6_kv_head_blocks_f16 and paged_attention_6_kv_head_blocks_bf16 (the
 // query and caches passed as their raw 16-bit patterns, unsigned short; widened to float in registers,
 // so no cuda_fp16.h is needed and every architecture compiles them). The softmax and every sum are float32
-// and out is float32; vllmini.cuda_kernels casts it to the query's dtype. One more entry point,
-// paged_attention_6_split_context_merge (float32 in and out, for every input type), combines the pieces
-// of a split context.
+// and out is float32; vllmini.cuda_kernels casts it to the query's dtype.
 //
-// Launch: grid = (num_seqs, num_heads / heads_per_block, num_splits), blockIdx.x = sequence, blockIdx.y =
-// block of heads_per_block consecutive query heads that share one KV head, blockIdx.z = piece z of the
-// context: tokens [z * pages_per_split * block_size, min(seq_len, (z + 1) * pages_per_split * block_size));
-// one thread block per (sequence, KV head, piece) when heads_per_block = num_heads / num_kv_heads.
-// heads_per_block divides num_heads / num_kv_heads and is at most 4 (2 for 16-bit head sizes above
-// 128). block = NUM_WARPS * 32 threads (256 in vllmini). head_size is a run-time argument, but each
-// entry point switches once on DIMS (and on heads_per_block == 1 or not) to a copy of the loop compiled
-// for it, so the per-lane arrays live in registers and the loads can be vectorized. Dynamic shared
-// memory = (blockDim.x / GROUP) * heads_per_block * (head_size + 2) * 4 bytes (the cross-group merge),
-// as in version 5. With num_splits = 1 the block writes out itself (pages_per_split >=
-// max_num_blocks_per_seq); with num_splits > 1 it writes its piece to part_out and part_ml, then the
-// merge kernel runs with grid = (num_seqs, num_heads), block = 128 threads and no shared memory.
+// Launch: grid = (num_seqs, num_heads / heads_per_block), blockIdx.x = sequence, blockIdx.y = block of
+// heads_per_block consecutive query heads that share one KV head; one thread block per (sequence, KV
+// head) pair when heads_per_block = num_heads / num_kv_heads. heads_per_block divides num_heads /
+// num_kv_heads and is at most 4 (2 for 16-bit head sizes above 128). block = NUM_WARPS * 32 threads
+// (256 in vllmini). head_size is a run-time argument, but each entry point switches once on DIMS (and
+// on heads_per_block == 1 or not) to a copy of the loop compiled for it, so the per-lane arrays live in
+// registers and the loads can be vectorized. Dynamic shared memory = (blockDim.x / GROUP) *
+// heads_per_block * (head_size + 2) * 4 bytes (the cross-group merge).
 //
 // How the block shares the work:
 //   * scores: a token's row is split over a GROUP of lanes: the whole warp (GROUP = 32) for float32,
@@ -56,9 +48,6 @@
 //   * output: the groups write (m, l, acc) of each head to shared memory, and after one __syncthreads()
 //     the threads split the (head, dimension) pairs to merge them:
 //     out = sum_g e^(m_g - M) acc_g / sum_g e^(m_g - M) l_g.
-//   * pieces (num_splits > 1): each block writes its piece's normalized output acc / l to part_out and
-//     its (max, sum) = (M, sum_g e^(m_g - M) l_g) to part_ml; the merge kernel combines the pieces the
-//     same way the block combined its groups: out = sum_s e^(m_s - M) l_s part_s / sum_s e^(m_s - M) l_s.
 //
 // Build: the file is plain CUDA C++ with no includes. vllmini.cuda_kernels compiles it with NVRTC
 // through cupy.RawModule (GPU) or runs it on the CPU with vllmini.emulator.RawKernel; the CI test
@@ -71,23 +60,12 @@
 // GQA: a KV head is read (num_heads / num_kv_heads) / heads_per_block times; once when one block
 // serves its whole group.
 //
-// Version 4 (what it adds to paged_attention_3_vector_loads.cu): 16-bit types in groups of 16 lanes,
-// two tokens per warp, so each shuffle, exp and page lookup serves two tokens. Measured side by side
-// with version 3: 1.5-1.8x faster for one long sequence (B=1), but 0-17% slower for the batched shapes
-// (B=64, MHA and GQA), which stay at 2.4-2.7 TB/s: 16-bit inputs are still bound by per-token
-// instructions, not by memory.
-//
-// Version 5 (what it adds to paged_attention_4_half_warps.cu): one thread block per KV head. The
+// Version 6 (what it adds to paged_attention_5_half_warps.cu): one thread block per KV head. The
 // heads_per_block query heads that share a KV head are served by one block, so each K and V row is
 // loaded from memory and widened to float once per KV head, not once per query head (vLLM reads it
 // once per query head; FlashDecoding and FlashInfer serve the whole group). The price: HBMAX copies of
-// q, acc, m and l per lane, so the GQA copies take fewer TOKENS per step.
-//
-// Version 6 (what it adds to paged_attention_5_kv_head_blocks.cu): split contexts (FlashDecoding,
-// vLLM's paged_attention_v2). A batch of a few long sequences gives versions 1-5 only num_seqs *
-// num_kv_heads blocks, too few to fill the GPU; here the context is also cut into gridDim.z pieces of
-// pages_per_split pages, one block each, and a second small kernel merges the pieces by log-sum-exp.
-// A piece past the end of a shorter sequence is empty: max -inf, sum 0, output 0, weight 0 in the merge.
+// q, acc, m and l per lane, so the GQA copies take fewer TOKENS per step. Not done here: splitting long
+// sequences over several blocks (vLLM's v2) -- in paged_attention_7_split_context.cu.
 
 #define WARP_SIZE 32
 #define MAX_HEAD_SIZE 256
@@ -192,10 +170,8 @@ extern __shared__ float smem[];
 // the block (HBMAX: the most heads a copy serves; heads h >= heads_per_block are computed on a zero query
 // and never written).
 template <typename Dtype, int DIMS, int TOKENS, int GROUP, int HBMAX>
-__device__ void paged_attention_6_split_context_impl(
+__device__ void paged_attention_6_kv_head_blocks_impl(
     float* __restrict__ out,                                  // [num_seqs, num_heads, head_size]
-    float* __restrict__ part_out,                             // [num_seqs, num_heads, num_splits, head_size]
-    float* __restrict__ part_ml,                              // [num_seqs, num_heads, num_splits, 2]
     const typename Dtype::storage* __restrict__ query,        // [num_seqs, num_heads, head_size]
     const typename Dtype::storage* __restrict__ key_cache,    // [num_blocks, block_size, kv_heads, head_size]
     const typename Dtype::storage* __restrict__ value_cache,  // [num_blocks, block_size, kv_heads, head_size]
@@ -207,13 +183,10 @@ __device__ void paged_attention_6_split_context_impl(
     const int num_kv_heads,
     const int max_num_blocks_per_seq,
     const int heads_per_block,
-    const int pages_per_split,
     const float scale) {
     constexpr int GROUPS_PER_WARP = WARP_SIZE / GROUP;
     const int seq = blockIdx.x;
     const int head0 = blockIdx.y * heads_per_block;  // this block's first query head
-    const int split = blockIdx.z;                     // this block's piece of the context
-    const int num_splits = gridDim.z;
     const int kv_head = head0 / (num_heads / num_kv_heads);
     const int group = threadIdx.x / GROUP;  // this lane's group in the block
     const int lane = threadIdx.x % GROUP;   // this lane's place in its group
@@ -221,8 +194,6 @@ __device__ void paged_attention_6_split_context_impl(
     const int warp = threadIdx.x / WARP_SIZE;
     const int num_warps = blockDim.x / WARP_SIZE;
     const int seq_len = seq_lens[seq];
-    const int t_begin = split * pages_per_split * block_size;                 // this piece's tokens:
-    const int t_end = min(seq_len, t_begin + pages_per_split * block_size);  // t_begin .. t_end-1
     float* out_rows = out + ((long long)seq * num_heads + head0) * head_size;  // (heads_per_block, head_size)
 
     // This lane's slice of each head's query (zero past head_size, and for heads past heads_per_block).
@@ -255,15 +226,15 @@ __device__ void paged_attention_6_split_context_impl(
     // The loop bound is the same for every lane of a warp (the shuffles need all 32): a warp takes a chunk
     // of GROUPS_PER_WARP * TOKENS consecutive tokens per step, and its group g the g-th TOKENS of them.
     constexpr int WARP_STEP = GROUPS_PER_WARP * TOKENS;
-    for (int chunk = t_begin + warp * WARP_STEP; chunk < t_end; chunk += num_warps * WARP_STEP) {
+    for (int chunk = warp * WARP_STEP; chunk < seq_len; chunk += num_warps * WARP_STEP) {
         const int start = chunk + (group % GROUPS_PER_WARP) * TOKENS;  // this group's first token
         // 1) Load the K and V rows of TOKENS consecutive tokens, all before using any. Past the end of
-        //    the piece a group re-reads its last real token instead of branching (slots past seq_len
+        //    the sequence a group re-reads the last real token instead of branching (slots past seq_len
         //    may hold NaN and are never read); those copies get score -inf and are skipped below.
         float k[TOKENS][DIMS], v[TOKENS][DIMS];
 #pragma unroll
         for (int u = 0; u < TOKENS; u++) {
-            const int t = min(start + u, t_end - 1);
+            const int t = min(start + u, seq_len - 1);
             const long long page = table[t / block_size];  // the page table lookup
             const long long offset = page * page_stride + (t % block_size) * token_stride + (long long)kv_head * head_size;
             load_lane<Dtype, DIMS, GROUP>(key_cache + offset, lane, head_size, k[u]);
@@ -279,7 +250,7 @@ __device__ void paged_attention_6_split_context_impl(
 #pragma unroll
                 for (int i = 0; i < DIMS; i++) partial += q[h][i] * k[u][i];
                 const float total = group_sum<GROUP>(partial);  // every lane of the warp takes part
-                score[u] = start + u < t_end ? total * scale : -INFINITY;
+                score[u] = start + u < seq_len ? total * scale : -INFINITY;
             }
             // 3) Online softmax: raise the running max, rescale what we have, add the new tokens. A group
             //    whose tokens all lie past the end (possible at the tail when a warp holds two groups) has
@@ -294,7 +265,7 @@ __device__ void paged_attention_6_split_context_impl(
             for (int i = 0; i < DIMS; i++) acc[h][i] *= correction;
 #pragma unroll
             for (int u = 0; u < TOKENS; u++) {
-                if (start + u >= t_end) break;  // a re-read copy: 0 * inf would be NaN, so skip, not weigh 0
+                if (start + u >= seq_len) break;  // a re-read copy: 0 * inf would be NaN, so skip, not weigh 0
                 const float p = expf(score[u] - m_new);
                 l[h] += p;
 #pragma unroll
@@ -329,24 +300,14 @@ __device__ void paged_attention_6_split_context_impl(
         const int h = e / head_size, d = e % head_size;
         float global_max = -INFINITY;
         for (int g = 0; g < num_groups; g++) global_max = fmaxf(global_max, group_max[g * heads_per_block + h]);
-        const float m_ref = global_max == -INFINITY ? 0.0f : global_max;  // an empty piece: no -inf - -inf
         float denom = 0.0f;
         for (int g = 0; g < num_groups; g++)
-            denom += expf(group_max[g * heads_per_block + h] - m_ref) * group_l[g * heads_per_block + h];
+            denom += expf(group_max[g * heads_per_block + h] - global_max) * group_l[g * heads_per_block + h];
         float numer = 0.0f;
         for (int g = 0; g < num_groups; g++)
-            numer += expf(group_max[g * heads_per_block + h] - m_ref) *
+            numer += expf(group_max[g * heads_per_block + h] - global_max) *
                      group_acc[(g * heads_per_block + h) * head_size + d];
-        if (num_splits == 1) {
-            out_rows[h * head_size + d] = numer / denom;
-        } else {  // this piece's normalized output and (max, sum); an empty piece has denom 0: output 0
-            const long long piece = ((long long)seq * num_heads + head0 + h) * num_splits + split;
-            part_out[piece * head_size + d] = denom > 0.0f ? numer / denom : 0.0f;
-            if (d == 0) {
-                part_ml[piece * 2] = global_max;
-                part_ml[piece * 2 + 1] = denom;
-            }
-        }
+        out_rows[h * head_size + d] = numer / denom;
     }
 }
 
@@ -358,34 +319,24 @@ __device__ void paged_attention_6_split_context_impl(
 // (2 for 16-bit head sizes above 128), with fewer TOKENS (TH) for the registers its queries and
 // accumulators take.
 template <typename Dtype>
-__device__ void paged_attention_6_split_context_dispatch(
-    float* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_ml,
-    const typename Dtype::storage* __restrict__ q,
+__device__ void paged_attention_6_kv_head_blocks_dispatch(
+    float* __restrict__ out, const typename Dtype::storage* __restrict__ q,
     const typename Dtype::storage* __restrict__ k_cache, const typename Dtype::storage* __restrict__ v_cache,
     const int* __restrict__ block_tables, const int* __restrict__ seq_lens, const int block_size,
     const int num_heads, const int head_size, const int num_kv_heads, const int max_num_blocks_per_seq,
-    const int heads_per_block, const int pages_per_split, const float scale) {
+    const int heads_per_block, const float scale) {
     const int seq_len = seq_lens[blockIdx.x];
     const int hb_max = sizeof(typename Dtype::storage) == 2 && head_size > 4 * WARP_SIZE ? 2 : 4;
     if (head_size > MAX_HEAD_SIZE || head_size < 1 || seq_len <= 0 ||
         heads_per_block < 1 || heads_per_block > hb_max) {  // refused by the host
-        const long long row0 = (long long)blockIdx.x * num_heads + blockIdx.y * heads_per_block;
-        for (int e = threadIdx.x; e < heads_per_block * head_size; e += blockDim.x) {
-            if (gridDim.z == 1) {
-                out[row0 * head_size + e] = NAN;
-            } else {  // NaN pieces, so the merge writes NaN rows
-                const long long piece = (row0 + e / head_size) * gridDim.z + blockIdx.z;
-                part_out[piece * head_size + e % head_size] = NAN;
-                if (e % head_size == 0) part_ml[piece * 2] = part_ml[piece * 2 + 1] = NAN;
-            }
-        }
+        float* out_rows = out + ((long long)blockIdx.x * num_heads + blockIdx.y * heads_per_block) * head_size;
+        for (int e = threadIdx.x; e < heads_per_block * head_size; e += blockDim.x) out_rows[e] = NAN;
         return;
     }
 #define VLLMINI_IMPL(D, T, G, H)                                                                                  \
-    paged_attention_6_split_context_impl<Dtype, D, T, G, H>(out, part_out, part_ml, q, k_cache, v_cache,         \
-                                                             block_tables, seq_lens, block_size, num_heads,       \
-                                                             head_size, num_kv_heads, max_num_blocks_per_seq,     \
-                                                             heads_per_block, pages_per_split, scale);
+    paged_attention_6_kv_head_blocks_impl<Dtype, D, T, G, H>(out, q, k_cache, v_cache, block_tables, seq_lens,   \
+                                                              block_size, num_heads, head_size, num_kv_heads,     \
+                                                              max_num_blocks_per_seq, heads_per_block, scale);
 #define VLLMINI_CASE(D, T, TH) \
     case D: if (heads_per_block == 1) { VLLMINI_IMPL(D, T, 32, 1) } else { VLLMINI_IMPL(D, TH, 32, 4) } break;
 #define VLLMINI_CASE16(D, T, TH, H) \
@@ -419,68 +370,34 @@ __device__ void paged_attention_6_split_context_dispatch(
 }
 
 // The entry points CuPy and the emulator look up by name, one per element type. vLLM's argument order,
-// with the split's partial results, num_kv_heads, max_num_blocks_per_seq, heads_per_block, pages_per_split
-// and scale.
-extern "C" __global__ void paged_attention_6_split_context(
+// with num_kv_heads, max_num_blocks_per_seq, heads_per_block and scale.
+extern "C" __global__ void paged_attention_6_kv_head_blocks(
     float* __restrict__ out,                // [num_seqs, num_heads, head_size]
-    float* __restrict__ part_out,           // [num_seqs, num_heads, num_splits, head_size] (num_splits > 1)
-    float* __restrict__ part_ml,            // [num_seqs, num_heads, num_splits, 2] (num_splits > 1)
     const float* __restrict__ q,            // [num_seqs, num_heads, head_size]
     const float* __restrict__ k_cache,      // [num_blocks, block_size, num_kv_heads, head_size]
     const float* __restrict__ v_cache,      // [num_blocks, block_size, num_kv_heads, head_size]
     const int* __restrict__ block_tables,   // [num_seqs, max_num_blocks_per_seq]
     const int* __restrict__ seq_lens,       // [num_seqs]
     const int block_size, const int num_heads, const int head_size,
-    const int num_kv_heads, const int max_num_blocks_per_seq, const int heads_per_block,
-    const int pages_per_split, const float scale) {
-    paged_attention_6_split_context_dispatch<Float32>(out, part_out, part_ml, q, k_cache, v_cache, block_tables, seq_lens,
-                                         block_size, num_heads, head_size, num_kv_heads, max_num_blocks_per_seq,
-                                         heads_per_block, pages_per_split, scale);
+    const int num_kv_heads, const int max_num_blocks_per_seq, const int heads_per_block, const float scale) {
+    paged_attention_6_kv_head_blocks_dispatch<Float32>(out, q, k_cache, v_cache, block_tables, seq_lens, block_size, num_heads,
+                                         head_size, num_kv_heads, max_num_blocks_per_seq, heads_per_block, scale);
 }
 
-extern "C" __global__ void paged_attention_6_split_context_f16(  // q, k_cache, v_cache: float16 bits
-    float* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_ml,
-    const unsigned short* __restrict__ q, const unsigned short* __restrict__ k_cache,
+extern "C" __global__ void paged_attention_6_kv_head_blocks_f16(  // q, k_cache, v_cache: float16 bits
+    float* __restrict__ out, const unsigned short* __restrict__ q, const unsigned short* __restrict__ k_cache,
     const unsigned short* __restrict__ v_cache, const int* __restrict__ block_tables,
     const int* __restrict__ seq_lens, const int block_size, const int num_heads, const int head_size,
-    const int num_kv_heads, const int max_num_blocks_per_seq, const int heads_per_block,
-    const int pages_per_split, const float scale) {
-    paged_attention_6_split_context_dispatch<Float16>(out, part_out, part_ml, q, k_cache, v_cache, block_tables, seq_lens,
-                                         block_size, num_heads, head_size, num_kv_heads, max_num_blocks_per_seq,
-                                         heads_per_block, pages_per_split, scale);
+    const int num_kv_heads, const int max_num_blocks_per_seq, const int heads_per_block, const float scale) {
+    paged_attention_6_kv_head_blocks_dispatch<Float16>(out, q, k_cache, v_cache, block_tables, seq_lens, block_size, num_heads,
+                                         head_size, num_kv_heads, max_num_blocks_per_seq, heads_per_block, scale);
 }
 
-extern "C" __global__ void paged_attention_6_split_context_bf16(  // q, k_cache, v_cache: bfloat16 bits
-    float* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_ml,
-    const unsigned short* __restrict__ q, const unsigned short* __restrict__ k_cache,
+extern "C" __global__ void paged_attention_6_kv_head_blocks_bf16(  // q, k_cache, v_cache: bfloat16 bits
+    float* __restrict__ out, const unsigned short* __restrict__ q, const unsigned short* __restrict__ k_cache,
     const unsigned short* __restrict__ v_cache, const int* __restrict__ block_tables,
     const int* __restrict__ seq_lens, const int block_size, const int num_heads, const int head_size,
-    const int num_kv_heads, const int max_num_blocks_per_seq, const int heads_per_block,
-    const int pages_per_split, const float scale) {
-    paged_attention_6_split_context_dispatch<BFloat16>(out, part_out, part_ml, q, k_cache, v_cache, block_tables, seq_lens,
-                                          block_size, num_heads, head_size, num_kv_heads, max_num_blocks_per_seq,
-                                          heads_per_block, pages_per_split, scale);
-}
-
-// The merge of a split context (grid (num_seqs, num_heads), any block size; out is float32 for every
-// input type): with M = max_s m_s and w_s = l_s * e^(m_s - M), out = sum_s w_s part_out_s / sum_s w_s,
-// 0 when every piece is empty. A NaN piece (a bad head_size or seq_len) makes the row NaN.
-extern "C" __global__ void paged_attention_6_split_context_merge(
-    float* __restrict__ out,             // [num_seqs, num_heads, head_size]
-    const float* __restrict__ part_out,  // [num_seqs, num_heads, num_splits, head_size]
-    const float* __restrict__ part_ml,   // [num_seqs, num_heads, num_splits, 2]
-    const int num_splits, const int head_size) {
-    const long long row = (long long)blockIdx.x * gridDim.y + blockIdx.y;  // (sequence, query head)
-    const float* ml = part_ml + row * num_splits * 2;                      // (num_splits, 2)
-    float global_max = -INFINITY;
-    for (int s = 0; s < num_splits; s++) global_max = fmaxf(global_max, ml[2 * s]);
-    const float m_ref = global_max == -INFINITY ? 0.0f : global_max;  // every piece empty: no -inf - -inf
-    float denom = 0.0f;
-    for (int s = 0; s < num_splits; s++) denom += expf(ml[2 * s] - m_ref) * ml[2 * s + 1];
-    for (int d = threadIdx.x; d < head_size; d += blockDim.x) {
-        float numer = 0.0f;
-        for (int s = 0; s < num_splits; s++)
-            numer += expf(ml[2 * s] - m_ref) * ml[2 * s + 1] * part_out[(row * num_splits + s) * head_size + d];
-        out[row * head_size + d] = denom == 0.0f ? 0.0f : numer / denom;  // a NaN denom stays NaN
-    }
+    const int num_kv_heads, const int max_num_blocks_per_seq, const int heads_per_block, const float scale) {
+    paged_attention_6_kv_head_blocks_dispatch<BFloat16>(out, q, k_cache, v_cache, block_tables, seq_lens, block_size, num_heads,
+                                          head_size, num_kv_heads, max_num_blocks_per_seq, heads_per_block, scale);
 }

@@ -1,4 +1,4 @@
-// paged_attention_5_kv_head_blocks.cu -- decode attention that reads K and V through the page table.
+// paged_attention_5_half_warps.cu -- kernel 4 for 16-bit caches, a row to half a warp.
 //
 // What it computes, for every sequence s and query head h (one new token per sequence):
 //     kv = h / (num_heads / num_kv_heads)                      grouped-query / multi-query attention
@@ -16,19 +16,17 @@
 //     block_tables    int32 [num_seqs, max_num_blocks_per_seq]  (entries past a sequence's length unused)
 //     seq_lens        int32 [num_seqs]
 //
-// Entry points: paged_attention_5_kv_head_blocks (float32), paged_attention_5_kv_head_blocks_f16 and paged_attention_5_kv_head_blocks_bf16 (the
+// Entry points: paged_attention_5_half_warps (float32), paged_attention_5_half_warps_f16 and paged_attention_5_half_warps_bf16 (the
 // query and caches passed as their raw 16-bit patterns, unsigned short; widened to float in registers,
 // so no cuda_fp16.h is needed and every architecture compiles them). The softmax and every sum are float32
 // and out is float32; vllmini.cuda_kernels casts it to the query's dtype.
 //
-// Launch: grid = (num_seqs, num_heads / heads_per_block), blockIdx.x = sequence, blockIdx.y = block of
-// heads_per_block consecutive query heads that share one KV head; one thread block per (sequence, KV
-// head) pair when heads_per_block = num_heads / num_kv_heads. heads_per_block divides num_heads /
-// num_kv_heads and is at most 4 (2 for 16-bit head sizes above 128). block = NUM_WARPS * 32 threads
-// (256 in vllmini). head_size is a run-time argument, but each entry point switches once on DIMS (and
-// on heads_per_block == 1 or not) to a copy of the loop compiled for it, so the per-lane arrays live in
-// registers and the loads can be vectorized. Dynamic shared memory = (blockDim.x / GROUP) *
-// heads_per_block * (head_size + 2) * 4 bytes (the cross-group merge).
+// Launch: grid = (num_seqs, num_heads), blockIdx.x = sequence, blockIdx.y = query head (vLLM's
+// layout); one thread block per (sequence, head) pair. block = NUM_WARPS * 32 threads (256 in vllmini).
+// head_size is a run-time argument, but each entry point switches once on DIMS to a copy of the loop
+// compiled for it, so the per-lane arrays live in registers and the loads can be vectorized.
+// Dynamic shared memory = (blockDim.x / GROUP) * (head_size + 2) * 4 bytes (the cross-group merge;
+// vllmini passes enough for GROUP = 16).
 //
 // How the block shares the work:
 //   * scores: a token's row is split over a GROUP of lanes: the whole warp (GROUP = 32) for float32,
@@ -42,12 +40,9 @@
 //     from memory at once (TOKENS * DIMS is about 32: 8 tokens per warp step for head_size 128).
 //   * softmax: each group keeps an online softmax (running max m, running sum l, and its part of the
 //     weighted sum of V rows in registers), so no array of scores is kept and any context length
-//     works with a fixed amount of memory. K and V are each read once per (sequence, block of heads):
-//     every K and V row a group loads is widened once and used by each of the block's query heads,
-//     each with its own query slice, m, l and acc in registers.
-//   * output: the groups write (m, l, acc) of each head to shared memory, and after one __syncthreads()
-//     the threads split the (head, dimension) pairs to merge them:
-//     out = sum_g e^(m_g - M) acc_g / sum_g e^(m_g - M) l_g.
+//     works with a fixed amount of memory. K and V are each read once per (sequence, query head).
+//   * output: the groups write (m, l, acc) to shared memory, and after one __syncthreads() the threads
+//     split the head dimensions to merge them: out = sum_g e^(m_g - M) acc_g / sum_g e^(m_g - M) l_g.
 //
 // Build: the file is plain CUDA C++ with no includes. vllmini.cuda_kernels compiles it with NVRTC
 // through cupy.RawModule (GPU) or runs it on the CPU with vllmini.emulator.RawKernel; the CI test
@@ -57,21 +52,20 @@
 // before launch); blockDim.x a multiple of 32 (up to 1024); any seq_len the block table can hold.
 // The host (vllmini.attention) validates block ids and seq_lens before launch; the kernel trusts them.
 // Page addresses are computed in 64-bit integers, so caches larger than 2^31 elements are fine.
-// GQA: a KV head is read (num_heads / num_kv_heads) / heads_per_block times; once when one block
-// serves its whole group.
+// GQA: each query head is its own thread block, so a KV head is read num_heads / num_kv_heads times
+// (from L2 when lucky) -- the price of the simple grid.
 //
-// Version 4 (what it adds to paged_attention_3_vector_loads.cu): 16-bit types in groups of 16 lanes,
-// two tokens per warp, so each shuffle, exp and page lookup serves two tokens. Measured side by side
-// with version 3: 1.5-1.8x faster for one long sequence (B=1), but 0-17% slower for the batched shapes
-// (B=64, MHA and GQA), which stay at 2.4-2.7 TB/s: 16-bit inputs are still bound by per-token
-// instructions, not by memory.
-//
-// Version 5 (what it adds to paged_attention_4_half_warps.cu): one thread block per KV head. The
-// heads_per_block query heads that share a KV head are served by one block, so each K and V row is
-// loaded from memory and widened to float once per KV head, not once per query head (vLLM reads it
-// once per query head; FlashDecoding and FlashInfer serve the whole group). The price: HBMAX copies of
-// q, acc, m and l per lane, so the GQA copies take fewer TOKENS per step. Not done here: splitting long
-// sequences over several blocks (vLLM's v2) -- in paged_attention_6_split_context.cu.
+// Version 5: version 4 (paged_attention_4_loads_in_flight.cu) plus ONE idea, 16-bit caches. Models are
+// served in float16 or bfloat16, half the bytes of float32 per value, so a decode step reads half the
+// bytes. Two things follow from the smaller element, and they are this version's whole change: the
+// element types (the Float16 / BFloat16 structs widen the stored bits to float in registers, all
+// arithmetic stays float32), and the row's lane group: a 128-dim row is now 256 bytes, 16 lanes' worth
+// of 16-byte loads, so a token takes half a warp (GROUP = 16) and a warp holds two tokens at once,
+// each shuffle, exp and page lookup serving both. float32 keeps version 4's whole-warp rows.
+// Measured when it was written (benchmarks/RESULTS.md, 2026-12-01): 1.5-1.8x faster than 16-bit rows
+// in whole warps for one long sequence (B=1), level or up to 17% slower for the batched shapes, which
+// stay at 2.4-2.7 TB/s: 16-bit inputs are bound by per-token instructions, not yet by memory.
+// Not done here: one block per KV head under GQA (version 6), splitting long sequences (version 7).
 
 #define WARP_SIZE 32
 #define MAX_HEAD_SIZE 256
@@ -164,19 +158,15 @@ __device__ __forceinline__ float group_sum(float v) {
     return v;
 }
 
-// Dynamic shared memory, (blockDim.x / GROUP) * heads_per_block * (head_size + 2) floats, sized by the
-// launch's shared_mem.
+// Dynamic shared memory, (blockDim.x / 16) * (head_size + 2) floats, sized by the launch's shared_mem.
 extern __shared__ float smem[];
 
-// One (sequence, KV head) pair: the heads_per_block query heads that share the KV head. A group of GROUP
-// lanes holds one token's row (DIMS dims per lane): GROUP = 32 for float32, 16 for 16-bit types, whose
-// rows are half as many bytes -- so a warp works on two tokens at once and every shuffle, exp and page
-// lookup serves two tokens. Each group takes TOKENS consecutive tokens per step; the groups of the block
-// share the sequence in chunks. Each K and V row is loaded and widened once and used by every head of
-// the block (HBMAX: the most heads a copy serves; heads h >= heads_per_block are computed on a zero query
-// and never written).
-template <typename Dtype, int DIMS, int TOKENS, int GROUP, int HBMAX>
-__device__ void paged_attention_5_kv_head_blocks_impl(
+// One (sequence, query head) pair. A group of GROUP lanes holds one token's row (DIMS dims per lane):
+// GROUP = 32 for float32, 16 for 16-bit types, whose rows are half as many bytes -- so a warp works on
+// two tokens at once and every shuffle, exp and page lookup serves two tokens. Each group takes TOKENS
+// consecutive tokens per step; the groups of the block share the sequence in chunks.
+template <typename Dtype, int DIMS, int TOKENS, int GROUP>
+__device__ void paged_attention_5_half_warps_impl(
     float* __restrict__ out,                                  // [num_seqs, num_heads, head_size]
     const typename Dtype::storage* __restrict__ query,        // [num_seqs, num_heads, head_size]
     const typename Dtype::storage* __restrict__ key_cache,    // [num_blocks, block_size, kv_heads, head_size]
@@ -188,42 +178,27 @@ __device__ void paged_attention_5_kv_head_blocks_impl(
     const int head_size,
     const int num_kv_heads,
     const int max_num_blocks_per_seq,
-    const int heads_per_block,
     const float scale) {
     constexpr int GROUPS_PER_WARP = WARP_SIZE / GROUP;
     const int seq = blockIdx.x;
-    const int head0 = blockIdx.y * heads_per_block;  // this block's first query head
-    const int kv_head = head0 / (num_heads / num_kv_heads);
+    const int head = blockIdx.y;
+    const int kv_head = head / (num_heads / num_kv_heads);
     const int group = threadIdx.x / GROUP;  // this lane's group in the block
     const int lane = threadIdx.x % GROUP;   // this lane's place in its group
     const int num_groups = blockDim.x / GROUP;
     const int warp = threadIdx.x / WARP_SIZE;
     const int num_warps = blockDim.x / WARP_SIZE;
     const int seq_len = seq_lens[seq];
-    float* out_rows = out + ((long long)seq * num_heads + head0) * head_size;  // (heads_per_block, head_size)
+    float* out_row = out + ((long long)seq * num_heads + head) * head_size;  // (head_size,)
 
-    // This lane's slice of each head's query (zero past head_size, and for heads past heads_per_block).
-    float q[HBMAX][DIMS];
+    // This lane's slice of the query (zero past head_size).
+    float q[DIMS];
+    load_lane<Dtype, DIMS, GROUP>(query + ((long long)seq * num_heads + head) * head_size, lane, head_size, q);
+    float acc[DIMS];  // this group's sum of p_t * v_t, for this lane's dims
 #pragma unroll
-    for (int h = 0; h < HBMAX; h++) {
-        if (h < heads_per_block) {
-            load_lane<Dtype, DIMS, GROUP>(query + ((long long)seq * num_heads + head0 + h) * head_size, lane, head_size,
-                                          q[h]);
-        } else {
-#pragma unroll
-            for (int i = 0; i < DIMS; i++) q[h][i] = 0.0f;
-        }
-    }
-    float acc[HBMAX][DIMS];  // this group's sum of p_t * v_t per head, for this lane's dims
-    float m[HBMAX];          // running max of this group's scores, per head
-    float l[HBMAX];          // running sum of exp(score - m), per head
-#pragma unroll
-    for (int h = 0; h < HBMAX; h++) {
-#pragma unroll
-        for (int i = 0; i < DIMS; i++) acc[h][i] = 0.0f;
-        m[h] = -INFINITY;
-        l[h] = 0.0f;
-    }
+    for (int i = 0; i < DIMS; i++) acc[i] = 0.0f;
+    float m = -INFINITY;  // running max of this group's scores
+    float l = 0.0f;       // running sum of exp(score - m)
 
     const int* table = block_tables + (long long)seq * max_num_blocks_per_seq;  // (max_num_blocks_per_seq,)
     const long long token_stride = (long long)num_kv_heads * head_size;         // next slot in a page
@@ -246,128 +221,109 @@ __device__ void paged_attention_5_kv_head_blocks_impl(
             load_lane<Dtype, DIMS, GROUP>(key_cache + offset, lane, head_size, k[u]);
             load_lane<Dtype, DIMS, GROUP>(value_cache + offset, lane, head_size, v[u]);
         }
+        // 2) Scores: each lane's partial dot product, then the group sums each token's partials.
+        float score[TOKENS];
 #pragma unroll
-        for (int h = 0; h < HBMAX; h++) {  // every head of the block uses the same K and V rows
-            // 2) Scores: each lane's partial dot product, then the group sums each token's partials.
-            float score[TOKENS];
+        for (int u = 0; u < TOKENS; u++) {
+            float partial = 0.0f;
 #pragma unroll
-            for (int u = 0; u < TOKENS; u++) {
-                float partial = 0.0f;
-#pragma unroll
-                for (int i = 0; i < DIMS; i++) partial += q[h][i] * k[u][i];
-                const float total = group_sum<GROUP>(partial);  // every lane of the warp takes part
-                score[u] = start + u < seq_len ? total * scale : -INFINITY;
-            }
-            // 3) Online softmax: raise the running max, rescale what we have, add the new tokens. A group
-            //    whose tokens all lie past the end (possible at the tail when a warp holds two groups) has
-            //    m_new = -inf and changes nothing.
-            float m_new = m[h];
-#pragma unroll
-            for (int u = 0; u < TOKENS; u++) m_new = fmaxf(m_new, score[u]);
-            if (m_new == -INFINITY) continue;
-            const float correction = expf(m[h] - m_new);  // 0 on the group's first real step (m = -inf)
-            l[h] *= correction;
-#pragma unroll
-            for (int i = 0; i < DIMS; i++) acc[h][i] *= correction;
-#pragma unroll
-            for (int u = 0; u < TOKENS; u++) {
-                if (start + u >= seq_len) break;  // a re-read copy: 0 * inf would be NaN, so skip, not weigh 0
-                const float p = expf(score[u] - m_new);
-                l[h] += p;
-#pragma unroll
-                for (int i = 0; i < DIMS; i++) acc[h][i] += p * v[u][i];
-            }
-            m[h] = m_new;
+            for (int i = 0; i < DIMS; i++) partial += q[i] * k[u][i];
+            const float total = group_sum<GROUP>(partial);  // every lane of the warp takes part
+            score[u] = start + u < seq_len ? total * scale : -INFINITY;
         }
+        // 3) Online softmax: raise the running max, rescale what we have, add the new tokens. A group
+        //    whose tokens all lie past the end (possible at the tail when a warp holds two groups) has
+        //    m_new = -inf and changes nothing.
+        float m_new = m;
+#pragma unroll
+        for (int u = 0; u < TOKENS; u++) m_new = fmaxf(m_new, score[u]);
+        if (m_new == -INFINITY) continue;
+        const float correction = expf(m - m_new);  // 0 on the group's first real step (m = -inf)
+        l *= correction;
+#pragma unroll
+        for (int i = 0; i < DIMS; i++) acc[i] *= correction;
+#pragma unroll
+        for (int u = 0; u < TOKENS; u++) {
+            if (start + u >= seq_len) break;  // a re-read copy: 0 * inf would be NaN, so skip, not weigh 0
+            const float p = expf(score[u] - m_new);
+            l += p;
+#pragma unroll
+            for (int i = 0; i < DIMS; i++) acc[i] += p * v[u][i];
+        }
+        m = m_new;
     }
 
-    // 4) Cross-group merge through shared memory (smem, sized by the launch for heads_per_block heads):
-    //    [num_groups, heads_per_block] maxes, [num_groups, heads_per_block] sums,
-    //    [num_groups, heads_per_block, head_size] partial outputs.
-    float* group_max = smem;                                     // (num_groups, heads_per_block)
-    float* group_l = smem + num_groups * heads_per_block;        // (num_groups, heads_per_block)
-    float* group_acc = smem + 2 * num_groups * heads_per_block;  // (num_groups, heads_per_block, head_size)
+    // 4) Cross-group merge through shared memory (smem, sized by the launch): [num_groups] maxes,
+    //    [num_groups] sums, [num_groups, head_size] partial outputs.
+    float* group_max = smem;                   // (num_groups,)
+    float* group_l = smem + num_groups;        // (num_groups,)
+    float* group_acc = smem + 2 * num_groups;  // (num_groups, head_size)
+    if (lane == 0) {
+        group_max[group] = m;  // -inf (and l = 0, acc = 0) for a group that got no tokens
+        group_l[group] = l;
+    }
 #pragma unroll
-    for (int h = 0; h < HBMAX; h++) {
-        if (h >= heads_per_block) break;
-        if (lane == 0) {
-            group_max[group * heads_per_block + h] = m[h];  // -inf (and l = 0, acc = 0) for a group that got no tokens
-            group_l[group * heads_per_block + h] = l[h];
-        }
-#pragma unroll
-        for (int i = 0; i < DIMS; i++) {
-            const int d = lane * DIMS + i;
-            if (d < head_size) group_acc[(group * heads_per_block + h) * head_size + d] = acc[h][i];
-        }
+    for (int i = 0; i < DIMS; i++) {
+        const int d = lane * DIMS + i;
+        if (d < head_size) group_acc[group * head_size + d] = acc[i];
     }
     __syncthreads();  // every group's partial result is in shared memory
 
-    for (int e = threadIdx.x; e < heads_per_block * head_size; e += blockDim.x) {
-        const int h = e / head_size, d = e % head_size;
-        float global_max = -INFINITY;
-        for (int g = 0; g < num_groups; g++) global_max = fmaxf(global_max, group_max[g * heads_per_block + h]);
-        float denom = 0.0f;
-        for (int g = 0; g < num_groups; g++)
-            denom += expf(group_max[g * heads_per_block + h] - global_max) * group_l[g * heads_per_block + h];
+    float global_max = -INFINITY;
+    for (int g = 0; g < num_groups; g++) global_max = fmaxf(global_max, group_max[g]);
+    float denom = 0.0f;
+    for (int g = 0; g < num_groups; g++) denom += expf(group_max[g] - global_max) * group_l[g];
+    for (int d = threadIdx.x; d < head_size; d += blockDim.x) {
         float numer = 0.0f;
-        for (int g = 0; g < num_groups; g++)
-            numer += expf(group_max[g * heads_per_block + h] - global_max) *
-                     group_acc[(g * heads_per_block + h) * head_size + d];
-        out_rows[h * head_size + d] = numer / denom;
+        for (int g = 0; g < num_groups; g++) numer += expf(group_max[g] - global_max) * group_acc[g * head_size + d];
+        out_row[d] = numer / denom;
     }
 }
 
-// Pick the copy of the loop compiled for this head size and head count. float32: groups of 32 lanes,
-// DIMS = ceil(head_size / 32) dims per lane, TOKENS tokens per step, about 32 / DIMS and at most 16
-// (every copy keeps about as many values in registers). 16-bit types: groups of 16 lanes, so DIMS =
+// Pick the copy of the loop compiled for this head size. float32: groups of 32 lanes, DIMS =
+// ceil(head_size / 32) dims per lane, TOKENS tokens per step, about 32 / DIMS and at most 16 (every
+// copy keeps about as many values in registers). 16-bit types: groups of 16 lanes, so DIMS =
 // 2 * ceil(head_size / 32) (one 16-byte load per lane for head_size 128), TOKENS about 32 / DIMS.
-// heads_per_block 1 takes a copy with HBMAX = 1; larger values a copy serving up to HBMAX = 4 heads
-// (2 for 16-bit head sizes above 128), with fewer TOKENS (TH) for the registers its queries and
-// accumulators take.
 template <typename Dtype>
-__device__ void paged_attention_5_kv_head_blocks_dispatch(
+__device__ void paged_attention_5_half_warps_dispatch(
     float* __restrict__ out, const typename Dtype::storage* __restrict__ q,
     const typename Dtype::storage* __restrict__ k_cache, const typename Dtype::storage* __restrict__ v_cache,
     const int* __restrict__ block_tables, const int* __restrict__ seq_lens, const int block_size,
     const int num_heads, const int head_size, const int num_kv_heads, const int max_num_blocks_per_seq,
-    const int heads_per_block, const float scale) {
+    const float scale) {
     const int seq_len = seq_lens[blockIdx.x];
-    const int hb_max = sizeof(typename Dtype::storage) == 2 && head_size > 4 * WARP_SIZE ? 2 : 4;
-    if (head_size > MAX_HEAD_SIZE || head_size < 1 || seq_len <= 0 ||
-        heads_per_block < 1 || heads_per_block > hb_max) {  // refused by the host
-        float* out_rows = out + ((long long)blockIdx.x * num_heads + blockIdx.y * heads_per_block) * head_size;
-        for (int e = threadIdx.x; e < heads_per_block * head_size; e += blockDim.x) out_rows[e] = NAN;
+    if (head_size > MAX_HEAD_SIZE || head_size < 1 || seq_len <= 0) {  // refused by the host
+        float* out_row = out + ((long long)blockIdx.x * num_heads + blockIdx.y) * head_size;
+        for (int d = threadIdx.x; d < head_size; d += blockDim.x) out_row[d] = NAN;
         return;
     }
-#define VLLMINI_IMPL(D, T, G, H)                                                                                  \
-    paged_attention_5_kv_head_blocks_impl<Dtype, D, T, G, H>(out, q, k_cache, v_cache, block_tables, seq_lens,   \
-                                                              block_size, num_heads, head_size, num_kv_heads,     \
-                                                              max_num_blocks_per_seq, heads_per_block, scale);
-#define VLLMINI_CASE(D, T, TH) \
-    case D: if (heads_per_block == 1) { VLLMINI_IMPL(D, T, 32, 1) } else { VLLMINI_IMPL(D, TH, 32, 4) } break;
-#define VLLMINI_CASE16(D, T, TH, H) \
-    case 2 * D: if (heads_per_block == 1) { VLLMINI_IMPL(2 * D, T, 16, 1) } else { VLLMINI_IMPL(2 * D, TH, 16, H) } break;
+#define VLLMINI_IMPL(D, T, G)                                                                                  \
+    paged_attention_5_half_warps_impl<Dtype, D, T, G>(out, q, k_cache, v_cache, block_tables, seq_lens, block_size,      \
+                                            num_heads, head_size, num_kv_heads, max_num_blocks_per_seq, scale); \
+    break;
+#define VLLMINI_CASE(D, T) case D: VLLMINI_IMPL(D, T, 32)
+#define VLLMINI_CASE16(D, T) case 2 * D: VLLMINI_IMPL(2 * D, T, 16)
     if constexpr (sizeof(typename Dtype::storage) == 4) {
         switch ((head_size + WARP_SIZE - 1) / WARP_SIZE) {
-            VLLMINI_CASE(1, 16, 16)
-            VLLMINI_CASE(2, 16, 8)
-            VLLMINI_CASE(3, 8, 4)
-            VLLMINI_CASE(4, 8, 4)
-            VLLMINI_CASE(5, 6, 3)
-            VLLMINI_CASE(6, 5, 2)
-            VLLMINI_CASE(7, 4, 2)
-            VLLMINI_CASE(8, 4, 2)
+            VLLMINI_CASE(1, 16)
+            VLLMINI_CASE(2, 16)
+            VLLMINI_CASE(3, 8)
+            VLLMINI_CASE(4, 8)
+            VLLMINI_CASE(5, 6)
+            VLLMINI_CASE(6, 5)
+            VLLMINI_CASE(7, 4)
+            VLLMINI_CASE(8, 4)
         }
     } else {
         switch (2 * ((head_size + WARP_SIZE - 1) / WARP_SIZE)) {  // dims per lane in a group of 16
-            VLLMINI_CASE16(1, 16, 8, 4)
-            VLLMINI_CASE16(2, 8, 4, 4)
-            VLLMINI_CASE16(3, 5, 2, 4)
-            VLLMINI_CASE16(4, 4, 2, 4)
-            VLLMINI_CASE16(5, 3, 2, 2)
-            VLLMINI_CASE16(6, 3, 2, 2)
-            VLLMINI_CASE16(7, 2, 1, 2)
-            VLLMINI_CASE16(8, 2, 1, 2)
+            VLLMINI_CASE16(1, 16)
+            VLLMINI_CASE16(2, 8)
+            VLLMINI_CASE16(3, 5)
+            VLLMINI_CASE16(4, 4)
+            VLLMINI_CASE16(5, 3)
+            VLLMINI_CASE16(6, 3)
+            VLLMINI_CASE16(7, 2)
+            VLLMINI_CASE16(8, 2)
         }
     }
 #undef VLLMINI_CASE16
@@ -376,8 +332,8 @@ __device__ void paged_attention_5_kv_head_blocks_dispatch(
 }
 
 // The entry points CuPy and the emulator look up by name, one per element type. vLLM's argument order,
-// with num_kv_heads, max_num_blocks_per_seq, heads_per_block and scale.
-extern "C" __global__ void paged_attention_5_kv_head_blocks(
+// with num_kv_heads, max_num_blocks_per_seq and scale.
+extern "C" __global__ void paged_attention_5_half_warps(
     float* __restrict__ out,                // [num_seqs, num_heads, head_size]
     const float* __restrict__ q,            // [num_seqs, num_heads, head_size]
     const float* __restrict__ k_cache,      // [num_blocks, block_size, num_kv_heads, head_size]
@@ -385,25 +341,25 @@ extern "C" __global__ void paged_attention_5_kv_head_blocks(
     const int* __restrict__ block_tables,   // [num_seqs, max_num_blocks_per_seq]
     const int* __restrict__ seq_lens,       // [num_seqs]
     const int block_size, const int num_heads, const int head_size,
-    const int num_kv_heads, const int max_num_blocks_per_seq, const int heads_per_block, const float scale) {
-    paged_attention_5_kv_head_blocks_dispatch<Float32>(out, q, k_cache, v_cache, block_tables, seq_lens, block_size, num_heads,
-                                         head_size, num_kv_heads, max_num_blocks_per_seq, heads_per_block, scale);
+    const int num_kv_heads, const int max_num_blocks_per_seq, const float scale) {
+    paged_attention_5_half_warps_dispatch<Float32>(out, q, k_cache, v_cache, block_tables, seq_lens, block_size, num_heads,
+                                         head_size, num_kv_heads, max_num_blocks_per_seq, scale);
 }
 
-extern "C" __global__ void paged_attention_5_kv_head_blocks_f16(  // q, k_cache, v_cache: float16 bits
+extern "C" __global__ void paged_attention_5_half_warps_f16(  // q, k_cache, v_cache: float16 bits
     float* __restrict__ out, const unsigned short* __restrict__ q, const unsigned short* __restrict__ k_cache,
     const unsigned short* __restrict__ v_cache, const int* __restrict__ block_tables,
     const int* __restrict__ seq_lens, const int block_size, const int num_heads, const int head_size,
-    const int num_kv_heads, const int max_num_blocks_per_seq, const int heads_per_block, const float scale) {
-    paged_attention_5_kv_head_blocks_dispatch<Float16>(out, q, k_cache, v_cache, block_tables, seq_lens, block_size, num_heads,
-                                         head_size, num_kv_heads, max_num_blocks_per_seq, heads_per_block, scale);
+    const int num_kv_heads, const int max_num_blocks_per_seq, const float scale) {
+    paged_attention_5_half_warps_dispatch<Float16>(out, q, k_cache, v_cache, block_tables, seq_lens, block_size, num_heads,
+                                         head_size, num_kv_heads, max_num_blocks_per_seq, scale);
 }
 
-extern "C" __global__ void paged_attention_5_kv_head_blocks_bf16(  // q, k_cache, v_cache: bfloat16 bits
+extern "C" __global__ void paged_attention_5_half_warps_bf16(  // q, k_cache, v_cache: bfloat16 bits
     float* __restrict__ out, const unsigned short* __restrict__ q, const unsigned short* __restrict__ k_cache,
     const unsigned short* __restrict__ v_cache, const int* __restrict__ block_tables,
     const int* __restrict__ seq_lens, const int block_size, const int num_heads, const int head_size,
-    const int num_kv_heads, const int max_num_blocks_per_seq, const int heads_per_block, const float scale) {
-    paged_attention_5_kv_head_blocks_dispatch<BFloat16>(out, q, k_cache, v_cache, block_tables, seq_lens, block_size, num_heads,
-                                          head_size, num_kv_heads, max_num_blocks_per_seq, heads_per_block, scale);
+    const int num_kv_heads, const int max_num_blocks_per_seq, const float scale) {
+    paged_attention_5_half_warps_dispatch<BFloat16>(out, q, k_cache, v_cache, block_tables, seq_lens, block_size, num_heads,
+                                          head_size, num_kv_heads, max_num_blocks_per_seq, scale);
 }

@@ -1,19 +1,19 @@
-// paged_attention_9_tensor_cores.cu -- decode attention through the page table, a GQA group on tensor cores.
+// paged_attention_10_tensor_cores.cu -- decode attention through the page table, a GQA group on tensor cores.
 //
-// What it computes is what every paged_attention_<n>_*.cu computes (see paged_attention_4_half_warps.cu):
+// What it computes is what every paged_attention_<n>_*.cu computes (see paged_attention_5_half_warps.cu):
 //     out[s][h] = softmax(scale * q[s][h] . k_t over t < seq_lens[s]) @ v_t,
 //     k_t, v_t = key_cache/value_cache[block_tables[s][t / block_size]][t % block_size][h / group]
 // in float16 or bfloat16 (inputs and output), with float32 scores, softmax and sums.
 //
-// The one idea it adds to version 8 (paged_attention_8_guard.cu): the query heads of a GQA group that
+// The one idea it adds to version 9 (paged_attention_9_guard.cu): the query heads of a GQA group that
 // share a KV head are packed into one matrix tile, and both products run on the tensor cores,
 // `mma.sync.aligned.m16n8k16` (16-bit inputs, float32 accumulators): per warp and step of 16 tokens,
 //     S   (16 heads x 16 tokens) = Q (16 heads x head_size) . K^T    head_size / 16 k-steps x 2 token tiles
 //     O^T (head_size x 8 heads) += V^T (head_size x 16 tokens) . P^T  head_size / 16 dim tiles, one k-step
 // (the second product transposed, so a group of up to 8 heads fills its 8 columns instead of wasting 8 of
 // 16 rows: half the accumulator registers). A decode step is memory-bound: the tile's padding costs
-// nothing that matters, while version 8 did each head's multiply-adds on the CUDA cores and became
-// issue-bound (68% of the read ceiling on GQA 32q/8kv). The rest is version 8's: one block per (sequence,
+// nothing that matters, while version 9 did each head's multiply-adds on the CUDA cores and became
+// issue-bound (68% of the read ceiling on GQA 32q/8kv). The rest is version 9's: one block per (sequence,
 // head block, context piece), the online softmax in the log2 domain, the split contract (part_out,
 // part_ml, the merge kernels below), the in-kernel guard on page ids and lengths.
 //
@@ -40,14 +40,14 @@
 //
 // Measured (H200, head size 128, block 16, B64 L4096, fp16, 2026-12-02, benchmarks/bench_tensor_cores.py,
 // L2 flushed, median of 30): GQA 32q/8kv 267-269 us = 4.0 TB/s of K+V (91% of a 4.41 TB/s read ceiling,
-// 1.07x cuDNN SDPA on a contiguous cache, version 8 1.50x), 32/4 140 us (1.05x), 64/8 277 us (1.10x);
+// 1.07x cuDNN SDPA on a contiguous cache, version 9 1.50x), 32/4 140 us (1.05x), 64/8 277 us (1.10x);
 // bfloat16 the same within 1%. 168 registers (3 blocks per SM), no spills.
 //
-// Shapes (contiguous), as version 8: out [num_seqs, num_heads, head_size] (16-bit bits); part_out
+// Shapes (contiguous), as version 9: out [num_seqs, num_heads, head_size] (16-bit bits); part_out
 // float32 [num_seqs, num_heads, num_splits, head_size] and part_ml float32 [..., num_splits, 2] (only
 // when num_splits > 1, else may be null); query [num_seqs, num_heads, head_size]; key_cache/value_cache
 // [num_blocks, block_size, num_kv_heads, head_size]; block_tables int32 [num_seqs,
-// max_num_blocks_per_seq]; seq_lens int32 [num_seqs]; error int32 [5] or null (version 8's guard:
+// max_num_blocks_per_seq]; seq_lens int32 [num_seqs]; error int32 [5] or null (version 9's guard:
 // a bad page id is never dereferenced, page 0 is read instead, the sequence's rows come out NaN and the
 // first violation is recorded as {1, sequence, table entry or -1 for seq_lens, value, limit}).
 //
@@ -56,11 +56,11 @@
 // else 16. Splits: the grid's blocks fill whole waves of 3 per SM best (512 blocks on 132 SMs: 3 pieces). heads_per_block (1 .. 16) divides num_heads / num_kv_heads; pages_per_split * num_splits
 // covers max_num_blocks_per_seq; when num_splits > 1, then the merge kernel with grid (num_seqs,
 // num_heads), any block size.
-// Limits: head_size 64 or 128 (other sizes: NaN rows; the host takes version 8), 16-byte aligned rows,
+// Limits: head_size 64 or 128 (other sizes: NaN rows; the host takes version 9), 16-byte aligned rows,
 // sm_80 or newer (mma.sync m16n8k16 with bf16; an older GPU traps), any block size (multiples of 16
 // look a step's page up once).
 //
-// Build: loaded by vllmini (NVRTC through CuPy); alone: nvcc -arch=sm_90 -c paged_attention_9_tensor_cores.cu
+// Build: loaded by vllmini (NVRTC through CuPy); alone: nvcc -arch=sm_90 -c paged_attention_10_tensor_cores.cu
 // A build may compile one copy only: -DVLLMINI_ONLY_HEAD=64|128 and -DVLLMINI_ONLY_ROWS16=0|1 (a kernel's
 // register count is the largest any of its copies needs). The CPU emulator runs it too (vllmini.emulator;
 // its model of the mma is vllmini/emulator/emu_mma.h).
@@ -161,7 +161,7 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned int (&a)
 #endif
 }
 
-// ----------------------------------------------------------------------------- the guard (as version 8)
+// ----------------------------------------------------------------------------- the guard (as version 9)
 
 // Record the first violation (sequence, table entry or -1 for seq_lens, value, limit); later ones are dropped.
 __device__ __forceinline__ void record_error(int* error, int seq, int entry, int value, int limit) {
@@ -483,15 +483,15 @@ __device__ void entry(VLLMINI_V6_PARAMS) {
 // ----------------------------------------------------------------------------- entry points
 // 16-bit values travel as their raw bits (unsigned short).
 
-extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_9_tensor_cores_f16(VLLMINI_V6_PARAMS) {
+extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_10_tensor_cores_f16(VLLMINI_V6_PARAMS) {
     entry<Float16>(VLLMINI_V6_ARGS);
 }
 
-extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_9_tensor_cores_bf16(VLLMINI_V6_PARAMS) {
+extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_10_tensor_cores_bf16(VLLMINI_V6_PARAMS) {
     entry<BFloat16>(VLLMINI_V6_ARGS);
 }
 
-// The merge of a split context (grid (num_seqs, num_heads), any block size), as version 8's: with
+// The merge of a split context (grid (num_seqs, num_heads), any block size), as version 9's: with
 // M = max_s m_s and w_s = l_s * 2^(m_s - M), out = sum_s w_s * part_out_s / sum_s w_s. A NaN part (a bad
 // page) makes the row NaN.
 template <typename Dtype>
@@ -512,14 +512,14 @@ __device__ void merge(unsigned short* __restrict__ out, const float* __restrict_
     }
 }
 
-extern "C" __global__ void paged_attention_9_tensor_cores_merge_f16(unsigned short* __restrict__ out,
+extern "C" __global__ void paged_attention_10_tensor_cores_merge_f16(unsigned short* __restrict__ out,
                                                                     const float* __restrict__ part_out,
                                                                     const float* __restrict__ part_ml,
                                                                     const int num_splits, const int head_size) {
     merge<Float16>(out, part_out, part_ml, num_splits, head_size);
 }
 
-extern "C" __global__ void paged_attention_9_tensor_cores_merge_bf16(unsigned short* __restrict__ out,
+extern "C" __global__ void paged_attention_10_tensor_cores_merge_bf16(unsigned short* __restrict__ out,
                                                                      const float* __restrict__ part_out,
                                                                      const float* __restrict__ part_ml,
                                                                      const int num_splits, const int head_size) {

@@ -1,25 +1,28 @@
-// paged_attention_7_fewer_instructions.cu -- decode attention through the page table, fewer instructions per token.
+// paged_attention_8_fewer_instructions.cu -- decode attention through the page table, fewer instructions per token.
 //
-// What it computes is what every paged_attention_<n>_*.cu computes (see paged_attention_4_half_warps.cu):
+// What it computes is what every paged_attention_<n>_*.cu computes (see paged_attention_5_half_warps.cu):
 //     out[s][h] = softmax(scale * q[s][h] . k_t over t < seq_lens[s]) @ v_t,
 //     k_t, v_t = key_cache/value_cache[block_tables[s][t / block_size]][t % block_size][h / group]
-// with one thread block per KV head serving its GQA group (version 5) and split contexts merged by
-// log-sum-exp (version 6), as version 6 does.
-// What it adds to version 6 (paged_attention_6_split_context.cu): fewer instructions per token.
+// with one thread block per KV head serving its GQA group (version 6) and split contexts merged by
+// log-sum-exp (version 7), as version 7 does.
+// What it adds to version 7 (paged_attention_7_split_context.cu): fewer instructions per token.
 //   * a group's TOKENS partial dot products are summed by a "transposed" butterfly (each shuffle step
 //     halves the number of values a lane carries, so TOKENS tokens cost TOKENS - 1 + log2(GROUP / TOKENS)
 //     shuffles instead of TOKENS * log2(GROUP)), after which each lane holds ONE token's score: one exp2
 //     per lane per step instead of one per token;
 //   * the scale and log2(e) folded into q once: scores come out in the log2 domain, every exponential
 //     is one exp2;
-//   * the page looked up once per step, shifts instead of divisions for power-of-two block sizes;
+//   * the page looked up once per step, shifts instead of divisions for power-of-two block sizes, and
+//     read through page_at(), a call the compiler may not inline: written inline, the same load made
+//     the whole kernel ~1.4x slower on an H200 (benchmarks/RESULTS.md, "7 -> 8" of 2026-12-03: the
+//     compiler schedules the step's row loads differently around it; the machine code was not read);
 //   * K and V kept as raw 16-bit words until used;
 //   * 128 threads per block with __launch_bounds__;
 //   * the output written in the input's dtype (no extra float32 buffer and cast kernel).
 //
-// Like version 4 it trusts its inputs: the host validates seq_lens and every page id before the launch
+// Like version 5 it trusts its inputs: the host validates seq_lens and every page id before the launch
 // (vllmini.attention), and a block table entry is read and dereferenced as it is (checking them in the
-// kernel is version 8's one idea). The one thing this kernel still makes safe, for one min and one max,
+// kernel is version 9's one idea). The one thing this kernel still makes safe, for one min and one max,
 // is the length: seq_lens[s] is clamped into 0 .. max_num_blocks_per_seq * block_size, so no read leaves
 // the sequence's table row, and a length of 0 or less gives an output row of zeros.
 //
@@ -36,7 +39,7 @@
 // num_heads / num_kv_heads. Then, when num_splits > 1, the merge kernel with grid (num_seqs, num_heads)
 // and 128 threads.
 //
-// Lane layout (as version 4): a group of GROUP lanes holds one token row, lane l owning the DIMS
+// Lane layout (as version 5): a group of GROUP lanes holds one token row, lane l owning the DIMS
 // consecutive dims l*DIMS ..; a warp holds 32 / GROUP rows; each group takes TOKENS consecutive tokens
 // per step and loads all their K and V rows before it uses any.
 //
@@ -175,6 +178,9 @@ __device__ __forceinline__ void load_words(const typename Dtype::storage* __rest
     }
 }
 
+// block_tables[seq][idx]. __noinline__ on purpose (see the header): a call, not an inlined load.
+__device__ __noinline__ int page_at(const int* __restrict__ table, int idx) { return table[idx]; }
+
 // ----------------------------------------------------------------------------- one (sequence, head block, split)
 
 extern __shared__ float smem[];
@@ -266,7 +272,7 @@ __device__ void attend(VLLMINI_PARAMS(typename Dtype::storage)) {
         const int t_last = min(start + TOKENS - 1, t_end - 1);
         const int i_first = shift >= 0 ? t_first >> shift : t_first / block_size;
         const int i_last = shift >= 0 ? t_last >> shift : t_last / block_size;
-        const int page_first = table[i_first];
+        const int page_first = page_at(table, i_first);
         // 2) Every K and V row of the step, loaded before any is used (past the end: the last real token
         //    again, scored -inf below).
         unsigned int k[TOKENS][W], v[TOKENS][W];
@@ -281,7 +287,7 @@ __device__ void attend(VLLMINI_PARAMS(typename Dtype::storage)) {
                 idx = t / block_size;
                 slot = t - idx * block_size;
             }
-            const int page = (i_first == i_last || idx == i_first) ? page_first : table[idx];
+            const int page = (i_first == i_last || idx == i_first) ? page_first : page_at(table, idx);
             const long long offset = page * page_stride + slot * token_stride;
             load_words<Dtype, DIMS, GROUP>(k_base + offset, lane, head_size, k[u]);
             load_words<Dtype, DIMS, GROUP>(v_base + offset, lane, head_size, v[u]);
@@ -468,7 +474,7 @@ __device__ void entry(VLLMINI_PARAMS(typename Dtype::storage)) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_7_fewer_instructions(
+extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_8_fewer_instructions(
     float* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_ml, const float* __restrict__ query,
     const float* __restrict__ key_cache, const float* __restrict__ value_cache, const int* __restrict__ block_tables,
     const int* __restrict__ seq_lens, const int block_size, const int num_heads,
@@ -477,7 +483,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_7_fewe
     entry<Float32>(VLLMINI_ARGS);
 }
 
-extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_7_fewer_instructions_f16(
+extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_8_fewer_instructions_f16(
     unsigned short* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_ml, const unsigned short* __restrict__ query,
     const unsigned short* __restrict__ key_cache, const unsigned short* __restrict__ value_cache, const int* __restrict__ block_tables,
     const int* __restrict__ seq_lens, const int block_size, const int num_heads,
@@ -486,7 +492,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_7_fewe
     entry<Float16>(VLLMINI_ARGS);
 }
 
-extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_7_fewer_instructions_bf16(
+extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_8_fewer_instructions_bf16(
     unsigned short* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_ml, const unsigned short* __restrict__ query,
     const unsigned short* __restrict__ key_cache, const unsigned short* __restrict__ value_cache, const int* __restrict__ block_tables,
     const int* __restrict__ seq_lens, const int block_size, const int num_heads,
@@ -516,17 +522,17 @@ __device__ void merge(typename Dtype::storage* __restrict__ out, const float* __
     }
 }
 
-extern "C" __global__ void paged_attention_7_fewer_instructions_merge(float* __restrict__ out, const float* __restrict__ part_out,
+extern "C" __global__ void paged_attention_8_fewer_instructions_merge(float* __restrict__ out, const float* __restrict__ part_out,
                                   const float* __restrict__ part_ml, const int num_splits, const int head_size) {
     merge<Float32>(out, part_out, part_ml, num_splits, head_size);
 }
 
-extern "C" __global__ void paged_attention_7_fewer_instructions_merge_f16(unsigned short* __restrict__ out, const float* __restrict__ part_out,
+extern "C" __global__ void paged_attention_8_fewer_instructions_merge_f16(unsigned short* __restrict__ out, const float* __restrict__ part_out,
                                   const float* __restrict__ part_ml, const int num_splits, const int head_size) {
     merge<Float16>(out, part_out, part_ml, num_splits, head_size);
 }
 
-extern "C" __global__ void paged_attention_7_fewer_instructions_merge_bf16(unsigned short* __restrict__ out, const float* __restrict__ part_out,
+extern "C" __global__ void paged_attention_8_fewer_instructions_merge_bf16(unsigned short* __restrict__ out, const float* __restrict__ part_out,
                                   const float* __restrict__ part_ml, const int num_splits, const int head_size) {
     merge<BFloat16>(out, part_out, part_ml, num_splits, head_size);
 }

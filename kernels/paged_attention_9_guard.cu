@@ -1,17 +1,17 @@
-// paged_attention_8_guard.cu -- decode attention through the page table that never reads a bad page id.
+// paged_attention_9_guard.cu -- decode attention through the page table that never reads a bad page id.
 //
-// What it computes is what every paged_attention_<n>_*.cu computes (see paged_attention_4_half_warps.cu):
+// What it computes is what every paged_attention_<n>_*.cu computes (see paged_attention_5_half_warps.cu):
 //     out[s][h] = softmax(scale * q[s][h] . k_t over t < seq_lens[s]) @ v_t,
 //     k_t, v_t = key_cache/value_cache[block_tables[s][t / block_size]][t % block_size][h / group]
-// The one idea it adds to version 7 (paged_attention_7_fewer_instructions.cu), the in-kernel guard: with
+// The one idea it adds to version 8 (paged_attention_8_fewer_instructions.cu), the in-kernel guard: with
 // `error` != nullptr every page id is checked as it is loaded (against `num_blocks`, a new argument) and
 // the sequence's length against the table's tokens; a bad id is never dereferenced (page 0 is read
 // instead), its sequence's output rows become NaN, and the first violation is recorded in error[0..4] =
 // {1, sequence, table entry, value, limit} (entry -1: seq_lens[sequence] = value is outside 1 .. limit).
 // vllmini.cuda_kernels.check_kernel_errors() reads it once per step, so the check costs no host sync:
-// version 7 needs the host to validate the tables before each launch (a device-to-host copy), this one
+// version 8 needs the host to validate the tables before each launch (a device-to-host copy), this one
 // does not. With error == nullptr the caller vouches for the tables (validated on the host).
-// Everything else is version 7's: one block per (sequence, KV head's query heads, context piece), the
+// Everything else is version 8's: one block per (sequence, KV head's query heads, context piece), the
 // transposed butterfly, the log2-domain online softmax, the merge by log-sum-exp.
 //
 // Shapes (contiguous): out [num_seqs, num_heads, head_size] in the input dtype (float32 or 16-bit bits);
@@ -27,7 +27,7 @@
 // divides num_heads / num_kv_heads. Then, when num_splits > 1, the merge kernel with grid (num_seqs,
 // num_heads) and 128 threads.
 //
-// Lane layout (as version 4): a group of GROUP lanes holds one token row, lane l owning the DIMS
+// Lane layout (as version 5): a group of GROUP lanes holds one token row, lane l owning the DIMS
 // consecutive dims l*DIMS ..; a warp holds 32 / GROUP rows; each group takes TOKENS consecutive tokens
 // per step and loads all their K and V rows before it uses any.
 //
@@ -37,7 +37,7 @@
 // plain read kernel, kernels/read_ceiling.cu, over the same bytes) on batched multi-head shapes in
 // float16, bfloat16 and float32 (within 2-5% of cuDNN on a contiguous cache); one 32k-token sequence
 // 86-92%; GQA 32q/8kv 65% in 16-bit: its 4 heads' FMAs on the CUDA cores and 157 registers (3 blocks per
-// SM) -- version 9 does them on the tensor cores (91%).
+// SM) -- version 10 does them on the tensor cores (91%).
 // -Xptxas -v (one head-size copy): 128 registers 16-bit MHA, 118 float32, 157 16-bit GQA; no spills.
 
 #define WARP_SIZE 32
@@ -500,7 +500,7 @@ __device__ void entry(VLLMINI_PARAMS(typename Dtype::storage)) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_8_guard(
+extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_9_guard(
     float* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_ml, const float* __restrict__ query,
     const float* __restrict__ key_cache, const float* __restrict__ value_cache, const int* __restrict__ block_tables,
     const int* __restrict__ seq_lens, int* error, const int num_blocks, const int block_size, const int num_heads,
@@ -509,7 +509,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_8_guar
     entry<Float32>(VLLMINI_ARGS);
 }
 
-extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_8_guard_f16(
+extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_9_guard_f16(
     unsigned short* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_ml, const unsigned short* __restrict__ query,
     const unsigned short* __restrict__ key_cache, const unsigned short* __restrict__ value_cache, const int* __restrict__ block_tables,
     const int* __restrict__ seq_lens, int* error, const int num_blocks, const int block_size, const int num_heads,
@@ -518,7 +518,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_8_guar
     entry<Float16>(VLLMINI_ARGS);
 }
 
-extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_8_guard_bf16(
+extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_9_guard_bf16(
     unsigned short* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_ml, const unsigned short* __restrict__ query,
     const unsigned short* __restrict__ key_cache, const unsigned short* __restrict__ value_cache, const int* __restrict__ block_tables,
     const int* __restrict__ seq_lens, int* error, const int num_blocks, const int block_size, const int num_heads,
@@ -549,17 +549,17 @@ __device__ void merge(typename Dtype::storage* __restrict__ out, const float* __
     }
 }
 
-extern "C" __global__ void paged_attention_8_guard_merge(float* __restrict__ out, const float* __restrict__ part_out,
+extern "C" __global__ void paged_attention_9_guard_merge(float* __restrict__ out, const float* __restrict__ part_out,
                                   const float* __restrict__ part_ml, const int num_splits, const int head_size) {
     merge<Float32>(out, part_out, part_ml, num_splits, head_size);
 }
 
-extern "C" __global__ void paged_attention_8_guard_merge_f16(unsigned short* __restrict__ out, const float* __restrict__ part_out,
+extern "C" __global__ void paged_attention_9_guard_merge_f16(unsigned short* __restrict__ out, const float* __restrict__ part_out,
                                   const float* __restrict__ part_ml, const int num_splits, const int head_size) {
     merge<Float16>(out, part_out, part_ml, num_splits, head_size);
 }
 
-extern "C" __global__ void paged_attention_8_guard_merge_bf16(unsigned short* __restrict__ out, const float* __restrict__ part_out,
+extern "C" __global__ void paged_attention_9_guard_merge_bf16(unsigned short* __restrict__ out, const float* __restrict__ part_out,
                                   const float* __restrict__ part_ml, const int num_splits, const int head_size) {
     merge<BFloat16>(out, part_out, part_ml, num_splits, head_size);
 }
