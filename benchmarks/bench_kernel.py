@@ -16,7 +16,7 @@ L2 flushed (256 MB written) before every call.
     git show HEAD~3:kernels/paged_attention_9_guard.cu > /tmp/old.cu
     python benchmarks/bench_kernel.py --dtype float16 --version 9 --compare /tmp/old.cu
 --splits N ... also times the raw kernel with the context cut into N pieces (its output checked first),
-to try the split rule (cuda_kernels.SPLIT_TARGET_BLOCKS_PER_SM), e.g. --version 9 --splits 1 4 8 16 33.
+to try the split rule (cuda_kernels._num_splits, SPLIT_BLOCKS_PER_SM), e.g. --version 9 --splits 1 4 8 16 33.
 bench_attention.py times every version side by side.
 """
 

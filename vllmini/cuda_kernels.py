@@ -39,9 +39,13 @@ MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z
 DEFAULT_SHARED_BYTES = 48 * 1024  # dynamic shared memory a block gets without opting in
 MAX_SHARED_BYTES = 232448  # the most an H100/H200 block may opt into (227 KiB); less on older GPUs
 EMULATOR_SMS = 4  # the "multiprocessors" launch_plan assumes for the emulator (a CPU runs blocks one by one)
-SPLIT_TARGET_BLOCKS_PER_SM = 8  # versions 7-9 split contexts until the grid has this many blocks per SM
-TENSOR_CORE_BLOCKS_PER_SM = 3  # version 10: 168 registers x 128 threads, 3 blocks fit an SM
-MAX_TENSOR_CORE_SPLITS = 4
+# Blocks resident on one SM (an H200's, measured with cuOccupancyMaxActiveBlocksPerMultiprocessor): the
+# split rule fills one wave of them. Version 9: 118-128 registers x 128 threads, 4 blocks; its 16-bit GQA
+# copies 157-158 registers, 3. Version 10: 168 registers, 3.
+SPLIT_BLOCKS_PER_SM = 4
+GQA16_BLOCKS_PER_SM = 3
+TENSOR_CORE_BLOCKS_PER_SM = 3
+MAX_SPLITS = 4  # a grid that fills a wave already is cut in at most this many pieces (the fullest last wave)
 MIN_SPLIT_TOKENS = 256  # no context piece shorter than this (the merge would cost more than it gains)
 MERGE_THREADS = 128
 LAYER_OP_THREADS = 256  # kernels/layer_ops.cu's THREADS: its largest head size
@@ -230,7 +234,7 @@ def launch_plan(
             options = (f"-DVLLMINI_ONLY_CHUNKS={chunks}", f"-DVLLMINI_ONLY_GQA={int(heads_per_block > 1)}")
         else:
             shared_mem, options = lane_groups * heads_per_block * (head_size + 2) * 4, ()
-        slots = SPLIT_TARGET_BLOCKS_PER_SM * sms
+        slots = (GQA16_BLOCKS_PER_SM if sixteen and heads_per_block > 1 else SPLIT_BLOCKS_PER_SM) * sms
     else:
         heads_per_block = max(h for h in range(1, 17) if group % h == 0)
         rows16 = heads_per_block > 8
@@ -241,7 +245,7 @@ def launch_plan(
     if not version.has("split_context"):
         num_splits = 1
     elif num_splits is None:
-        num_splits = _num_splits(version, blocks, slots, longest)
+        num_splits = _num_splits(blocks, slots, longest)
     num_splits = max(1, min(num_splits, used))
     pages_per_split = cdiv(used, num_splits)
     num_splits = cdiv(used, pages_per_split)  # no empty piece at the end
@@ -249,15 +253,14 @@ def launch_plan(
     return LaunchPlan(grid, block, shared_mem, heads_per_block, num_splits, pages_per_split, options)
 
 
-def _num_splits(version: KernelVersion, blocks: int, slots: int, longest: int) -> int:
-    """Context pieces for `blocks` on `slots` resident blocks (version 10: one wave, or the fullest last)."""
+def _num_splits(blocks: int, slots: int, longest: int) -> int:
+    """Context pieces for `blocks` on `slots` resident blocks: one wave or less, fill it; more, the fullest
+    last wave (pieces of at least MIN_SPLIT_TOKENS)."""
     most = max(1, longest // MIN_SPLIT_TOKENS)
-    if not version.has("tensor_cores"):
-        return 1 if blocks >= slots else min(cdiv(slots, blocks), most)
-    if blocks <= slots:  # one wave or less: fill it
+    if blocks <= slots:
         return max(1, min(slots // blocks, most))
     fill = lambda s: cdiv(blocks * s, slots) * slots / (blocks * s)  # noqa: E731  (ceil(waves) / waves)
-    return min(range(1, min(MAX_TENSOR_CORE_SPLITS, most) + 1), key=fill)  # the fullest last wave
+    return min(range(1, min(MAX_SPLITS, most) + 1), key=fill)
 
 
 def _nvrtc():
