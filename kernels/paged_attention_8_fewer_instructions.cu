@@ -15,7 +15,8 @@
 //   * the page looked up once per step, shifts instead of divisions for power-of-two block sizes, and
 //     read through page_at(), a call the compiler may not inline: written inline, the same load made
 //     the whole kernel ~1.4x slower on an H200 (benchmarks/RESULTS.md, "7 -> 8" of 2026-12-03: the
-//     compiler schedules the step's row loads differently around it; the machine code was not read);
+//     compiler schedules the step's row loads differently around it: the SASS has the same loads in the
+//     same order either way, so the difference is in the stall bits or at run time);
 //   * K and V kept as raw 16-bit words until used;
 //   * 128 threads per block with __launch_bounds__;
 //   * the output written in the input's dtype (no extra float32 buffer and cast kernel).
